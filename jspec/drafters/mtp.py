@@ -1,0 +1,137 @@
+"""MTPDrafter: drafts with the checkpoint's own multi-token-prediction head(s) (jspec/models/mtp.py).
+
+Semantics (DeepSeek-V3 report 2.2, per MTP layer i = 0..L-1): layer i at true position t takes h_i[t] (h_0 = the
+main model's final-normed hidden, h_{i+1} = layer i's chain hidden) and the token at t + i + 1, and predicts the
+token at t + i + 2. Each layer keeps its own KV cache (in DecodeState.drafter) at true positions.
+
+After every commit (last committed position p, newly committed positions q..p = rows 0..slot of state.hidden):
+  layer 0 runs one row tile over q..p (tokens q+1..p+1 are all known: p+1 is the pending token) -> draft[0] from
+  its last row; layer i >= 1 runs one row tile over q-i..p: rows up to p-i are real (their tokens are committed),
+  the last i rows use the drafts d_0..d_{i-1} as tokens (speculative, overwritten as real rows next round) ->
+  draft[i] from its last row. Layer i's hidden for position q-i comes from the previous round (`carry`).
+  Drafts k > L chain the last layer one position further each step, fed its own chain hidden and its own draft
+  (as vLLM's MTP proposer); those KV rows are speculative too and are overwritten before any real row reads them.
+Every call is a ROW_TILE-row step (padded) through the family's attention layer, so it runs on the row-tile
+kernels. The drafts never affect the output tokens: verify accepts only what greedy would produce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jspec.config import ModelConfig
+from jspec.models.layers import logits as logits_from_hidden
+from jspec.models.mtp import mtp_layer
+from jspec.state import DecodeState, physical_length
+from pallas_kernels import ROW_TILE
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPDrafter:
+    """Propose k tokens (k=None: the engine's k) with the model's MTP head; needs params["mtp"]."""
+
+    k: int | None = None
+
+    def __post_init__(self):
+        if self.k is not None and not 1 <= self.k <= ROW_TILE - 1:
+            raise ValueError(f"MTPDrafter k must be in 1..{ROW_TILE - 1}, got {self.k}")
+
+    def init(self, params: dict, cfg: ModelConfig, state: DecodeState, prompt_hidden: jax.Array, length: jax.Array):
+        """Fill every MTP layer's KV cache over the prompt (prefill path). prompt_hidden [T_bucket, H]."""
+        num_layers = _num_layers(params, cfg)
+        t = prompt_hidden.shape[0]
+        # Chain steps write a row tile at up to position max_len - 1 + (ROW_TILE - 2): room for that tile too.
+        length_rows = physical_length(state.max_len + ROW_TILE)
+        positions = jnp.arange(t, dtype=jnp.int32)
+        shape = (length_rows, cfg.num_kv_heads, cfg.head_dim)
+        hidden, caches, carry = prompt_hidden, [], []
+        for i in range(num_layers):
+            tokens = jax.lax.dynamic_slice_in_dim(state.tokens, i + 1, t)  # the token at t + i + 1 for row t
+            empty = (jnp.zeros(shape, hidden.dtype), jnp.zeros(shape, hidden.dtype))
+            chain, _, cache = mtp_layer(params, cfg, hidden, tokens, positions, empty, None, i)
+            caches.append(cache)
+            if i + 1 < num_layers:  # layer i+1's first round needs layer i's output at position length - 1 - (i+1)
+                carry.append(chain[jnp.maximum(length - 2 - i, 0)])
+            hidden = chain
+        carry = jnp.stack(carry) if carry else jnp.zeros((0, cfg.hidden_size), prompt_hidden.dtype)
+        return dict(cache=tuple(caches), carry=carry)
+
+    def propose(self, params: dict, cfg: ModelConfig, state: DecodeState, k: int):
+        num_layers = min(k, _num_layers(params, cfg))  # layers past k are never used
+        if k + num_layers > ROW_TILE:
+            raise ValueError(
+                f"MTPDrafter: k={k} with {num_layers} MTP layers needs k + layers <= {ROW_TILE} rows per tile"
+            )
+        p = state.position - 1  # last committed position
+        n = state.slot + 1  # newly committed positions q..p
+        q = p - state.slot
+        known = jax.lax.dynamic_slice_in_dim(state.tokens, q + 1, ROW_TILE)  # tokens q+1 .. (p+1 pending)
+        caches, carry = list(state.drafter["cache"]), []
+        drafts = []
+        hidden = state.hidden  # row r <-> position q + r
+        for i in range(num_layers):
+            # Rows in "unrolled" layout: row r <-> true position q - i + r; rows n+i.. are padding.
+            if i:
+                carry.append(hidden[n - 1])  # layer i-1 at position p - i + 1: layer i's first row next round
+                hidden = jnp.concatenate([state.drafter["carry"][i - 1][None], hidden[:-1]])
+            tokens = known
+            for j, d in enumerate(drafts):
+                tokens = tokens.at[n + j].set(d)
+            shift = jnp.maximum(i - q, 0)  # short prompt: rows at negative positions are rolled out of the tile
+            start = q - i + shift
+            chain, normed, caches[i] = mtp_layer(
+                params,
+                cfg,
+                jnp.roll(hidden, -shift, axis=0),
+                jnp.roll(tokens, -shift),
+                start + jnp.arange(ROW_TILE, dtype=jnp.int32),
+                caches[i],
+                start,
+                i,
+            )
+            hidden = jnp.roll(chain, shift, axis=0)
+            drafts.append(_argmax_row(params, cfg, jnp.roll(normed, shift, axis=0)[n - 1 + i]))
+        last = hidden[n - 1 + num_layers - 1]  # the last layer's chain hidden at position p
+
+        def chain_step(carry_state, offset):
+            cache, h, d = carry_state
+            rows_h = jnp.zeros((ROW_TILE, h.shape[-1]), h.dtype).at[0].set(h)
+            rows_t = jnp.zeros((ROW_TILE,), jnp.int32).at[0].set(d)
+            start = p + offset
+            chain, normed, cache = mtp_layer(
+                params, cfg, rows_h, rows_t, start + jnp.arange(ROW_TILE, dtype=jnp.int32), cache, start, num_layers - 1
+            )
+            d = _argmax_row(params, cfg, normed[0])
+            return (cache, chain[0], d), d
+
+        draft = jnp.stack(drafts)
+        if k > num_layers:
+            last_layer = num_layers - 1
+            (caches[last_layer], _, _), more = jax.lax.scan(
+                chain_step, (caches[last_layer], last, drafts[-1]), jnp.arange(1, k - num_layers + 1, dtype=jnp.int32)
+            )
+            draft = jnp.concatenate([draft, more])
+        if carry:
+            carry = state.drafter["carry"].at[: len(carry)].set(jnp.stack(carry))
+        else:
+            carry = state.drafter["carry"]
+        state = dataclasses.replace(state, drafter=dict(cache=tuple(caches), carry=carry))
+        return state, draft, jnp.asarray(k, jnp.int32)
+
+
+def _argmax_row(params: dict, cfg: ModelConfig, row: jax.Array) -> jax.Array:
+    """Greedy token (int32 []) of one final-normed hidden row [H]."""
+    return jnp.argmax(logits_from_hidden(params, cfg, row[None])[0]).astype(jnp.int32)
+
+
+def _num_layers(params: dict, cfg: ModelConfig) -> int:
+    num_layers = len(params.get("mtp") or [])
+    if num_layers == 0 or cfg.num_mtp_layers != num_layers:
+        raise ValueError(
+            f"MTPDrafter needs the model's MTP head: cfg.num_mtp_layers={cfg.num_mtp_layers}, params carry "
+            f"{num_layers} MTP layer(s) (params['mtp']); load a checkpoint with MTP weights"
+        )
+    return num_layers

@@ -1,0 +1,251 @@
+"""The generation loop as pure functions: a prefill round, a decode round and a verify round over a `Loop`
+pytree. The Engine jits each round into its own executable and drives them from the host; `generate_on_device`
+runs the same rounds inside `lax.while_loop` and can be called inside a user's `jax.jit`.
+
+A round = step (decode_step or verify_step) -> greedy accept -> commit -> record tokens and stats -> drafter
+proposes the next draft -> the gate decides whether the next round verifies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jspec.accept import TieGuard, greedy_accept, near_tie, tolerant_accept
+from jspec.config import ModelConfig
+from jspec.gate import HitDensityGate
+from jspec.state import DecodeState, init_state
+from jspec.steps import commit, decode_step, prefill, verify_step
+from pallas_kernels import ROW_TILE
+
+STOP_RUNNING, STOP_EOS, STOP_MAX_NEW, STOP_CACHE_END = range(4)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSettings:
+    """Static (hashable) settings of a generation loop; part of every compiled round's identity."""
+
+    max_len: int
+    k: int
+    dtype: str = "float32"
+    drafter: Any = None  # a Drafter or None (plain greedy)
+    gate: HitDensityGate | None = None
+    tie_guard: TieGuard = TieGuard()
+
+    def __post_init__(self):
+        if not 1 <= self.k <= ROW_TILE - 1:
+            raise ValueError(f"k={self.k} out of range: need 1 <= k and k + 1 <= row tile {ROW_TILE}")
+        if self.drafter is not None and getattr(self.drafter, "k", None) not in (None, self.k):
+            raise ValueError(f"drafter k={self.drafter.k} differs from the engine's k={self.k}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Counters:
+    """int32 statistics accumulated on device."""
+
+    steps: jax.Array
+    decode_steps: jax.Array
+    verify_steps: jax.Array
+    drafted: jax.Array
+    accepted: jax.Array
+    position_reached: jax.Array  # [k]
+    position_accepted: jax.Array  # [k]
+    near_ties: jax.Array
+    tolerated: jax.Array
+    gate_engaged: jax.Array
+    would_hits: jax.Array
+
+    @classmethod
+    def zeros(cls, k: int) -> Counters:
+        z = jnp.zeros((), jnp.int32)
+        return cls(z, z, z, z, z, jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.int32), z, z, z, z)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """Carry of the generation loop.
+
+    state: the DecodeState. draft int32 [k] / n_valid: the proposal for the next round. hits: the gate's ring.
+    prompt_len, max_new, eos_ids int32 [E] (-1 padded): the request. n_out: new tokens so far (the first comes
+    from prefill); they are state.tokens[prompt_len : prompt_len + n_out]. use_verify: the next round verifies.
+    """
+
+    state: DecodeState
+    draft: jax.Array
+    n_valid: jax.Array
+    hits: jax.Array
+    prompt_len: jax.Array
+    max_new: jax.Array
+    eos_ids: jax.Array
+    n_out: jax.Array
+    stop: jax.Array
+    use_verify: jax.Array
+    counters: Counters
+
+    @property
+    def done(self) -> jax.Array:
+        return self.stop != STOP_RUNNING
+
+
+def prefill_round(
+    params: dict, cfg: ModelConfig, settings: LoopSettings, prompt: jax.Array, length, max_new, eos_ids
+) -> Loop:
+    """prompt int32 [T_bucket] padded, length int32 [], max_new int32 [], eos_ids int32 [E] -> the first Loop."""
+    state = init_state(cfg, settings.max_len, jnp.dtype(settings.dtype))
+    state, _, hidden = prefill(params, cfg, state, prompt, length)
+    if settings.drafter is not None:
+        state = dataclasses.replace(state, drafter=settings.drafter.init(params, cfg, state, hidden, length))
+    gate = settings.gate
+    loop = Loop(
+        state=state,
+        draft=jnp.zeros((settings.k,), jnp.int32),
+        n_valid=jnp.zeros((), jnp.int32),
+        hits=gate.init() if gate else jnp.zeros((1,), jnp.int32),
+        prompt_len=jnp.asarray(length, jnp.int32),
+        max_new=jnp.asarray(max_new, jnp.int32),
+        eos_ids=jnp.asarray(eos_ids, jnp.int32),
+        n_out=jnp.zeros((), jnp.int32),
+        stop=jnp.asarray(STOP_RUNNING, jnp.int32),
+        use_verify=jnp.zeros((), bool),
+        counters=Counters.zeros(settings.k),
+    )
+    first = state.tokens[state.position][None]
+    return _finish_round(params, cfg, settings, loop, state, first, jnp.asarray(1, jnp.int32), None)
+
+
+def decode_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop) -> Loop:
+    """One decode_step: commit its argmax; record whether the pending draft would have hit."""
+    state, logits = decode_step(params, cfg, loop.state)
+    token = jnp.argmax(logits).astype(jnp.int32)
+    state = commit(state, jnp.zeros((), jnp.int32), token)
+    would_hit = (loop.n_valid > 0) & (loop.draft[0] == token)
+    c = loop.counters
+    counters = dataclasses.replace(
+        c, decode_steps=c.decode_steps + 1, would_hits=c.would_hits + would_hit.astype(jnp.int32)
+    )
+    loop = dataclasses.replace(loop, counters=counters)
+    return _finish_round(params, cfg, settings, loop, state, token[None], jnp.asarray(1, jnp.int32), would_hit)
+
+
+def verify_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop) -> Loop:
+    """One verify_step over the pending token + draft: accept the matching prefix, commit, add the bonus token."""
+    draft, n_valid = loop.draft, loop.n_valid
+    state, logits = verify_step(params, cfg, loop.state, draft)
+    guard = settings.tie_guard
+    c = loop.counters
+    if guard.tolerant:
+        n_acc, token, tolerated = tolerant_accept(draft, logits, n_valid, guard.eps)
+        near = jnp.zeros((), jnp.int32)
+    else:
+        n_acc, token = greedy_accept(draft, logits, n_valid)
+        tolerated = jnp.zeros((), jnp.int32)
+        near = near_tie(draft, logits, n_acc, n_valid, guard.eps).astype(jnp.int32) if guard.eps > 0 else 0
+    state = commit(state, n_acc, token)
+    positions = jnp.arange(settings.k)
+    counters = dataclasses.replace(
+        c,
+        verify_steps=c.verify_steps + 1,
+        drafted=c.drafted + n_valid,
+        accepted=c.accepted + n_acc,
+        position_reached=c.position_reached + ((positions < n_valid) & (positions <= n_acc)).astype(jnp.int32),
+        position_accepted=c.position_accepted + (positions < n_acc).astype(jnp.int32),
+        near_ties=c.near_ties + near,
+        tolerated=c.tolerated + tolerated,
+    )
+    committed = jnp.concatenate([draft, jnp.zeros((1,), jnp.int32)]).at[n_acc].set(token)
+    loop = dataclasses.replace(loop, counters=counters)
+    return _finish_round(params, cfg, settings, loop, state, committed, n_acc + 1, n_acc > 0)
+
+
+def _finish_round(params, cfg, settings: LoopSettings, loop: Loop, state: DecodeState, committed, n_new, hit):
+    """Record the n_new committed tokens (stop at eos / budget / cache end), then draft and gate the next round."""
+    is_eos = jnp.any(committed[:, None] == loop.eos_ids[None, :], axis=-1) & (jnp.arange(committed.shape[0]) < n_new)
+    any_eos = jnp.any(is_eos)
+    n_take = jnp.where(any_eos, jnp.argmax(is_eos) + 1, n_new).astype(jnp.int32)
+    n_out = loop.n_out + n_take
+    stop = jnp.select(
+        [any_eos, n_out >= loop.max_new, state.position >= settings.max_len],
+        [STOP_EOS, STOP_MAX_NEW, STOP_CACHE_END],
+        STOP_RUNNING,
+    ).astype(jnp.int32)
+    c = loop.counters
+    hits = loop.hits
+    if settings.gate is not None and hit is not None:
+        hits = settings.gate.record(hits, hit)
+    if settings.drafter is None:
+        draft, n_valid = loop.draft, jnp.zeros((), jnp.int32)
+    else:
+        state, draft, n_valid = settings.drafter.propose(params, cfg, state, settings.k)
+        # Commit no token past the budget or the cache: n accepted + the bonus must fit.
+        room = jnp.minimum(loop.max_new - n_out, settings.max_len - state.position) - 1
+        n_valid = jnp.clip(jnp.minimum(n_valid, room), 0, settings.k).astype(jnp.int32)
+    gate_open = jnp.asarray(True) if settings.gate is None else settings.gate.engaged(hits)
+    use_verify = (n_valid > 0) & gate_open & (stop == STOP_RUNNING)
+    counters = dataclasses.replace(
+        c,
+        steps=c.steps + (0 if hit is None else 1),
+        gate_engaged=c.gate_engaged + (gate_open & (stop == STOP_RUNNING)).astype(jnp.int32),
+    )
+    return dataclasses.replace(
+        loop,
+        state=state,
+        draft=draft.astype(jnp.int32),
+        n_valid=n_valid,
+        hits=hits,
+        n_out=n_out,
+        stop=stop,
+        use_verify=use_verify,
+        counters=counters,
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DeviceGeneration:
+    """Result of `generate_on_device`: tokens int32 [max_len] (the new tokens, valid up to num_tokens),
+    num_tokens int32 [], stop_reason int32 [] (index into jspec.stats.STOP_REASONS), counters."""
+
+    tokens: jax.Array
+    num_tokens: jax.Array
+    stop_reason: jax.Array
+    counters: Counters
+
+
+def generate_on_device(
+    params: dict,
+    cfg: ModelConfig,
+    prompt: jax.Array,
+    prompt_len,
+    max_new_tokens,
+    settings: LoopSettings,
+    eos_ids=(),
+) -> DeviceGeneration:
+    """The whole generation on device (`lax.while_loop`), jittable and callable inside a user's `jax.jit`.
+
+    prompt int32 [T] (padded to any fixed length <= settings.max_len), prompt_len int32 [] (1..T),
+    max_new_tokens int32 [] (prompt_len + max_new_tokens <= max_len is the caller's responsibility here; the
+    Engine checks it), eos_ids: int sequence. cfg and settings are static. Same rounds, same tokens as the Engine.
+    """
+    eos = jnp.asarray(list(eos_ids) if len(eos_ids) else [-1], jnp.int32)
+    loop = prefill_round(params, cfg, settings, prompt, prompt_len, max_new_tokens, eos)
+
+    def body(loop: Loop) -> Loop:
+        if settings.drafter is None:
+            return decode_round(params, cfg, settings, loop)
+        return jax.lax.cond(
+            loop.use_verify,
+            lambda lp: verify_round(params, cfg, settings, lp),
+            lambda lp: decode_round(params, cfg, settings, lp),
+            loop,
+        )
+
+    loop = jax.lax.while_loop(lambda lp: ~lp.done, body, loop)
+    tokens = jax.lax.dynamic_slice_in_dim(
+        jnp.pad(loop.state.tokens, (0, settings.max_len)), loop.prompt_len, settings.max_len
+    )
+    return DeviceGeneration(tokens=tokens, num_tokens=loop.n_out, stop_reason=loop.stop, counters=loop.counters)

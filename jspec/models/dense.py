@@ -1,0 +1,125 @@
+"""Dense decoder families: qwen2 (qkv bias), llama (llama3 rope scaling), glm4 (partial interleaved rotary,
+post-attention and post-MLP norms). One layer function serves the full forward, prefill and the row-tile steps.
+
+Params (a plain dict pytree; every linear weight is dense [K, N] or an int4 `Int4Weight`):
+  embed [V, H]; final_norm [H]; lm_head [H, V] (absent when tied and not quantized)
+  layers[i]: input_norm [H], qkv [H, (Hq + 2 Hkv) D], qkv_bias, o [Hq D, H], o_bias, post_attn_norm [H],
+             gate_up [H, 2I] ([gate | up]), gate_up_bias, down [I, H], down_bias,
+             glm4 only: post_self_attn_norm [H], post_mlp_norm [H]
+Cache: one (k, v) pair per layer, each [S, Hkv, D] in the activation dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jspec.config import ModelConfig
+from jspec.models.layers import apply_rope, rms_norm, swiglu_mlp
+from pallas_kernels import attention, causal_attention, linear
+
+
+def init_cache(cfg: ModelConfig, length: int, dtype) -> tuple:
+    shape = (length, cfg.num_kv_heads, cfg.head_dim)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+
+
+def _project_qkv(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
+    t = x.shape[0]
+    qkv = linear(x, p["qkv"], p.get("qkv_bias"))
+    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), positions, cfg)
+    k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), positions, cfg)
+    return q, k, v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+
+
+def attend(p: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array, cache, start):
+    """Attention sub-block on normed h [T, H] -> ([T, Hq*D], cache).
+
+    cache None: full causal forward. start None: prefill (write rows 0..T-1, attend the fresh keys).
+    Else: a row-tile step (T == ROW_TILE): write rows start..start+T-1, attend the cache with the kernel.
+    """
+    q, k, v = _project_qkv(p, cfg, h, positions)
+    out, cache = cached_attention(cfg, q, k, v, cache, start)
+    return out.reshape(h.shape[0], cfg.q_size), cache
+
+
+def cached_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, cache, start):
+    """q [T, Hq, D], k/v [T, Hkv, D] (rotated) -> ([T, Hq, D], cache); cache/start as in `attend`."""
+    scale = cfg.head_dim**-0.5
+    if cache is None:
+        return causal_attention(q, k, v, scale=scale), None
+    row = 0 if start is None else start
+    k_cache = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (row, 0, 0))
+    v_cache = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (row, 0, 0))
+    if start is None:
+        out = causal_attention(q, k, v, scale=scale)
+    else:
+        out = attention(q, k_cache, v_cache, start, scale=scale)
+    return out, (k_cache, v_cache)
+
+
+def layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache, start):
+    """One decoder layer on the residual stream x [T, H] (see `attend` for cache/start)."""
+    h, cache = attend(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), positions, cache, start)
+    out = linear(h, p["o"], p.get("o_bias"))
+    if cfg.post_norms:
+        out = rms_norm(out, p["post_self_attn_norm"], cfg.rms_norm_eps)
+    x = x + out
+    h = swiglu_mlp(p, rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps), cfg)
+    if cfg.post_norms:
+        h = rms_norm(h, p["post_mlp_norm"], cfg.rms_norm_eps)
+    return x + h, cache
+
+
+attention_layer = layer  # the family's attention decoder layer (used by the MTP head, jspec.models.mtp)
+
+
+def run(
+    params: dict, cfg: ModelConfig, tokens: jax.Array, cache=None, *, start=None, length=None, slot=None, rows=None
+):
+    """Embed tokens [T], run every layer, final norm -> (hidden [T, H], cache). cache/start as in `attend`.
+
+    length (prefill's true prompt length), slot and rows (the step's committed slot and valid rows) matter only
+    to recurrent families; dense layers ignore them.
+    """
+    del length, slot, rows
+    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32) + (0 if start is None else start)
+    x = params["embed"][tokens]
+    new_cache = []
+    for i, p in enumerate(params["layers"]):
+        x, layer_cache = layer(p, cfg, x, positions, None if cache is None else cache[i], start)
+        new_cache.append(layer_cache)
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return x, None if cache is None else tuple(new_cache)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.05) -> dict:
+    """Random params in the layout above (tests and benchmarks; real weights come from `checkpoints`)."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    qkv_n = cfg.q_size + 2 * cfg.kv_size
+    keys = iter(jax.random.split(key, 16 * cfg.num_layers + 4))
+
+    def rand(*shape):
+        return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+    def norm():
+        return (1.0 + rand(h).astype(jnp.float32)).astype(dtype)
+
+    layers = []
+    for _ in range(cfg.num_layers):
+        p = dict(input_norm=norm(), qkv=rand(h, qkv_n), o=rand(cfg.q_size, h), post_attn_norm=norm())
+        p.update(gate_up=rand(h, 2 * inter), down=rand(inter, h))
+        if cfg.attention_bias:
+            p["qkv_bias"] = rand(qkv_n)
+        if cfg.o_bias:
+            p["o_bias"] = rand(h)
+        if cfg.mlp_bias:
+            p.update(gate_up_bias=rand(2 * inter), down_bias=rand(h))
+        if cfg.post_norms:
+            p.update(post_self_attn_norm=norm(), post_mlp_norm=norm())
+        layers.append(p)
+    params = dict(embed=rand(cfg.vocab_size, h) * 20, layers=layers, final_norm=norm())
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = rand(h, cfg.vocab_size)
+    return params

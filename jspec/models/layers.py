@@ -1,0 +1,76 @@
+"""Building blocks shared by the model families: RMSNorm, rotary embedding, SwiGLU, logits."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.config import ModelConfig, RopeConfig
+from pallas_kernels import linear
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, plus_one: bool = False) -> jax.Array:
+    """x [..., H] -> same shape/dtype. Statistics in float32 (as HuggingFace).
+
+    plus_one=False: weight * normalize(x).astype(x.dtype)         (Llama / Qwen2 / GLM-4)
+    plus_one=True:  (normalize(x) * (1 + weight)).astype(x.dtype)  (Qwen3-Next / Qwen3.5), in float32
+    """
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    return weight * normed.astype(x.dtype)
+
+
+def inv_frequencies(rope: RopeConfig, rotary_dim: int) -> np.ndarray:
+    """float32 [rotary_dim // 2] inverse frequencies, llama3 scaling applied when configured."""
+    inv = 1.0 / (rope.theta ** (np.arange(0, rotary_dim, 2, dtype=np.int64).astype(np.float32) / rotary_dim))
+    inv = inv.astype(np.float32)
+    if rope.scaling_type == "llama3":
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * np.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / rope.scaling_factor, inv)
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.scaling_factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Rotate x [T, heads, head_dim] at integer positions [T]; the first cfg.rotary_dim dims rotate.
+
+    cos/sin are computed in float32 and cast to x.dtype, then x*cos + rotate(x)*sin in x.dtype (as HuggingFace).
+    Half layout pairs (i, i + d/2); interleaved layout (GLM-4) pairs (2i, 2i + 1).
+    """
+    rot = cfg.rotary_dim
+    inv = jnp.asarray(inv_frequencies(cfg.rope, rot))
+    angles = positions.astype(jnp.float32)[:, None] * inv[None, :]  # [T, rot/2]
+    cos = jnp.cos(angles).astype(x.dtype)[:, None, :]
+    sin = jnp.sin(angles).astype(x.dtype)[:, None, :]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    if cfg.rope.interleaved:
+        even, odd = x_rot[..., 0::2], x_rot[..., 1::2]
+        rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1).reshape(x_rot.shape)
+    else:
+        half = rot // 2
+        first, second = x_rot[..., :half], x_rot[..., half:]
+        rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return jnp.concatenate([rotated, x_pass], axis=-1) if rot < x.shape[-1] else rotated
+
+
+def swiglu_mlp(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """down(silu(gate(x)) * up(x)) with the fused gate_up weight [H, 2I] ([gate | up] along N)."""
+    gate_up = linear(x, p["gate_up"], p.get("gate_up_bias"))
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return linear(jax.nn.silu(gate) * up, p["down"], p.get("down_bias"))
+
+
+def logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Final-normed hidden x [T, H] -> float32 logits [T, vocab] (lm_head, or the tied embedding)."""
+    head = params.get("lm_head")
+    return linear(x, params["embed"].T if head is None else head, out_dtype=jnp.float32)

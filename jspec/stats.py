@@ -1,0 +1,75 @@
+"""SpecStats: what a generation did — steps by kind, drafted/accepted tokens, timing, why it stopped."""
+
+from __future__ import annotations
+
+import dataclasses
+
+STOP_REASONS = ("running", "eos", "max_new_tokens", "cache_end")
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Statistics of one generation.
+
+    mean_accepted: tokens committed per verify step, the bonus token included (1.0 = nothing accepted).
+    acceptance_rate: accepted / drafted over verify steps. per_position_acceptance[i]: among verify steps whose
+    draft had a valid token i and whose tokens 0..i-1 were accepted, the fraction where token i was accepted.
+    near_tie_rejections: rejected draft tokens within TieGuard.eps of the row max (diagnostic).
+    gate_engaged: steps on which the gate allowed a verify (None without a gate).
+    exact: False only when a tolerant TieGuard accepted a non-argmax token (then output may differ from greedy).
+    """
+
+    steps: int = 0
+    decode_steps: int = 0
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    per_position_acceptance: list[float] = dataclasses.field(default_factory=list)
+    near_tie_rejections: int = 0
+    tolerated_near_ties: int = 0
+    gate_engaged: int | None = None
+    would_hits: int = 0
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    stop_reason: str = "running"
+    exact: bool = True
+    wall_time_s: float = 0.0
+    prefill_time_s: float = 0.0
+    decode_time_s: float = 0.0
+    verify_time_s: float = 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(mean_accepted=self.mean_accepted, acceptance_rate=self.acceptance_rate, tokens_per_s=self.tokens_per_s)
+        return d
+
+    def summary(self) -> str:
+        lines = [
+            f"new tokens {self.new_tokens} in {self.wall_time_s:.3f} s ({self.tokens_per_s:.1f} tok/s), "
+            f"stop: {self.stop_reason}{'' if self.exact else '  [INEXACT: tolerant TieGuard]'}",
+            f"steps {self.steps}: decode {self.decode_steps} ({self.decode_time_s:.3f} s), "
+            f"verify {self.verify_steps} ({self.verify_time_s:.3f} s), prefill {self.prefill_time_s:.3f} s",
+        ]
+        if self.verify_steps:
+            per_pos = " ".join(f"{a:.2f}" for a in self.per_position_acceptance)
+            lines.append(
+                f"drafted {self.drafted}, accepted {self.accepted}, mean_accepted {self.mean_accepted:.2f}, "
+                f"acceptance {self.acceptance_rate:.2f}, per position [{per_pos}]"
+            )
+        if self.gate_engaged is not None:
+            lines.append(f"gate engaged on {self.gate_engaged} steps, would-hits {self.would_hits}")
+        if self.near_tie_rejections or self.tolerated_near_ties:
+            lines.append(f"near-tie rejections {self.near_tie_rejections}, tolerated {self.tolerated_near_ties}")
+        return "\n".join(lines)

@@ -1,0 +1,25 @@
+"""Row-tile kernels for exact speculative decoding: int4 matmul and decode/verify attention.
+
+Every kernel here obeys the row-tile rule (DESIGN 2.1): row r of the output depends only on row r of the input,
+bit for bit, whatever the number of rows M <= ROW_TILE.
+"""
+
+from pallas_kernels.attention import attention, causal_attention
+from pallas_kernels.backend import ROW_TILE, get_backend, set_backend, use_backend
+from pallas_kernels.int4 import Int4Weight, dequantize, pack, quantize
+from pallas_kernels.matmul import linear, rows_matmul
+
+__all__ = [
+    "ROW_TILE",
+    "Int4Weight",
+    "attention",
+    "causal_attention",
+    "dequantize",
+    "get_backend",
+    "linear",
+    "pack",
+    "quantize",
+    "rows_matmul",
+    "set_backend",
+    "use_backend",
+]

@@ -1,0 +1,68 @@
+"""Decode/verify attention against the KV cache (row-tile rule, DESIGN 2.2) and the prefill attention.
+
+`attention` is the decode/verify path: query rows at absolute positions start..start+M-1, each causal over the
+cache. Row r's output is bit-identical for every M <= ROW_TILE. `causal_attention` is the prefill / full-forward
+path over freshly computed keys and values.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import backend as _backend
+
+
+def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array, *, scale: float) -> jax.Array:
+    """q [M <= ROW_TILE, Hq, D] at positions start..start+M-1; caches [S, Hkv, D]; -> [M, Hq, D] in q.dtype.
+
+    Row r attends cache positions 0..start+r (the caller has written rows start..start+M-1 already).
+    GQA: query head h uses KV head h // (Hq // Hkv). Softmax statistics in float32.
+    """
+    m, hq, _ = q.shape
+    if m > _backend.ROW_TILE:
+        raise ValueError(f"attention takes at most {_backend.ROW_TILE} query rows, got {m}")
+    if hq % k_cache.shape[1]:
+        raise ValueError(f"query heads {hq} not a multiple of KV heads {k_cache.shape[1]}")
+    name = _backend.get_backend()
+    if name == "reference":
+        return reference_attention(q, k_cache, v_cache, start, scale=scale)
+    from pallas_kernels import attention_kernel
+
+    return attention_kernel.attention(q, k_cache, v_cache, start, scale=scale, interpret=name == "interpret")
+
+
+def reference_attention(q, k_cache, v_cache, start, *, scale: float) -> jax.Array:
+    """jnp reference: rows padded to ROW_TILE, one fixed-shape computation over the whole cache, then slice.
+
+    Masked positions get probability exactly 0 (and their values are zeroed, so stale cache rows never leak).
+    """
+    m, hq, d = q.shape
+    s_len, hkv, _ = k_cache.shape
+    tile = _backend.ROW_TILE
+    group = hq // hkv
+    qp = jnp.pad(q, ((0, tile - m), (0, 0), (0, 0))).astype(jnp.float32).reshape(tile, hkv, group, d)
+    scores = jnp.einsum("rhgd,shd->rhgs", qp, k_cache.astype(jnp.float32)) * scale
+    limit = start + jnp.arange(tile)  # last visible position per row
+    visible = jnp.arange(s_len)[None, :] <= limit[:, None]  # [R, S]
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    probs = jnp.where(visible[:, None, None, :], jnp.exp(scores - peak), 0.0)
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    values = jnp.where((jnp.arange(s_len) <= start + tile - 1)[:, None, None], v_cache.astype(jnp.float32), 0.0)
+    out = jnp.einsum("rhgs,shd->rhgd", probs, values) / denom
+    out = jax.lax.optimization_barrier(out.reshape(tile, hq, d))
+    return out[:m].astype(q.dtype)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float) -> jax.Array:
+    """Prefill path: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D] in q.dtype, causal, float32 softmax."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.astype(jnp.float32).reshape(t, hkv, hq // hkv, d)
+    scores = jnp.einsum("thgd,shd->hgts", qg, k.astype(jnp.float32)) * scale
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores = jnp.where(causal, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("hgts,shd->thgd", probs, v.astype(jnp.float32))
+    return out.reshape(t, hq, d).astype(q.dtype)

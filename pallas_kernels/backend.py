@@ -1,0 +1,56 @@
+"""Which implementation the row-tile kernels run: compiled Pallas, Pallas interpret mode, or jnp reference.
+
+All three obey the row-tile rule (DESIGN 2.1): rows are padded to ROW_TILE and row r of the output depends
+only on row r of the input. The default is "pallas" on GPU and "reference" on CPU; set it explicitly with
+`set_backend(...)` or the environment variable JSPEC_KERNELS. The choice is read at trace time, so set it
+before the first call of a jitted function. There is no silent fallback: a backend that cannot run raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import jax
+
+ROW_TILE = 16  # rows per tile: decode (M=1) and verify (M=k+1 <= ROW_TILE) run the same tile shapes
+
+BACKENDS = ("pallas", "interpret", "reference")
+_override: str | None = None
+
+
+def default_backend() -> str:
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def get_backend() -> str:
+    """The active kernel backend: the override, else $JSPEC_KERNELS, else the platform default."""
+    name = _override or os.environ.get("JSPEC_KERNELS") or default_backend()
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; choose one of {BACKENDS}")
+    if name == "pallas" and jax.default_backend() != "gpu":
+        raise RuntimeError(
+            f"kernel backend 'pallas' needs a GPU (JAX platform is {jax.default_backend()!r}); "
+            "use 'interpret' or 'reference' on CPU"
+        )
+    return name
+
+
+def set_backend(name: str | None) -> None:
+    """Force a backend for later traces (None restores the default)."""
+    global _override
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; choose one of {BACKENDS}")
+    _override = name
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Context manager form of `set_backend`."""
+    global _override
+    previous = _override
+    set_backend(name)
+    try:
+        yield
+    finally:
+        _override = previous

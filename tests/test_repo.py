@@ -1,0 +1,32 @@
+"""Repository invariants: CI runs exactly the README's test command; the CLI parses."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from jspec.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _readme_command(marker: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    match = re.search(rf"<!-- {marker} -->\s*```bash\n(.+?)\n```", text, re.S)
+    assert match, f"README.md has no {marker} block"
+    return match.group(1).strip()
+
+
+def test_ci_runs_the_readme_test_command():
+    command = _readme_command("test-command")
+    assert command in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_readme_main_command_runs_jspec_generate_on_the_default_model():
+    command = _readme_command("main-command")
+    assert "jspec generate" in command and "--checkpoint" not in command
+
+
+def test_cli_parses_generate():
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--drafter", "none", "--k", "3", "--json"])
+    assert args.k == 3 and args.drafter == "none" and args.json and args.gate
