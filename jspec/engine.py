@@ -117,8 +117,8 @@ class Engine:
         if bad.size:
             raise ValueError(f"token id {int(bad[0])} out of range for vocab_size {self.cfg.vocab_size}")
         room = self.max_len - prompt.size
-        if max_new_tokens is None:
-            max_new_tokens = room
+        if max_new_tokens is None:  # until the cache is full: the last token is produced but never fed back
+            return prompt.astype(np.int32), room + 1
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if room < 1 or max_new_tokens > room:
@@ -141,7 +141,7 @@ class Engine:
     ) -> GenerationResult:
         """Generate greedily (drafter=None) or speculatively; the tokens are the same either way.
 
-        max_new_tokens None: until the cache is full. eos_id: stop after this token (or any of these tokens).
+        max_new_tokens None: until the cache is full (max_len - len(prompt) + 1 tokens). eos_id: stop after this token (or any of these tokens).
         on_device: run prefill and the whole loop as one executable instead of the host loop.
         progress: show a progress bar (host loop).
         """

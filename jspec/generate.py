@@ -169,8 +169,8 @@ def _finish_round(params, cfg, settings: LoopSettings, loop: Loop, state: Decode
     n_take = jnp.where(any_eos, jnp.argmax(is_eos) + 1, n_new).astype(jnp.int32)
     n_out = loop.n_out + n_take
     stop = jnp.select(
-        [any_eos, n_out >= loop.max_new, state.position >= settings.max_len],
-        [STOP_EOS, STOP_MAX_NEW, STOP_CACHE_END],
+        [any_eos, state.position >= settings.max_len, n_out >= loop.max_new],
+        [STOP_EOS, STOP_CACHE_END, STOP_MAX_NEW],
         STOP_RUNNING,
     ).astype(jnp.int32)
     c = loop.counters

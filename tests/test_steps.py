@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jspec
+from jspec.exactness import verify_rows_match_decode
 from jspec.state import init_state, physical_length
 from pallas_kernels import ROW_TILE, quantize
-from tests.tiny import bits, tiny_config, tiny_params
+from tests.tiny import tiny_config, tiny_params
 
 MAX_LEN = 64
 
@@ -26,42 +26,19 @@ def _quantize_linears(params: dict) -> dict:
 
 
 @functools.cache
-def _setup(family: str, dtype: str, int4: bool = False):
+def _model(family: str, dtype: str, int4: bool = False):
     cfg = tiny_config(family)
     params = tiny_params(cfg, jnp.dtype(dtype))
-    if int4:
-        params = _quantize_linears(params)
-    prompt = np.asarray([5, 17, 3, 42, 8, 8, 9, 1, 77, 30, 2, 11, 4], np.int32)
-    padded = np.zeros((16,), np.int32)
-    padded[: prompt.size] = prompt
-    state = init_state(cfg, MAX_LEN, jnp.dtype(dtype))
-    state, _, _ = jax.jit(jspec.prefill, static_argnums=1)(params, cfg, state, padded, prompt.size)
+    return cfg, _quantize_linears(params) if int4 else params
 
-    @jax.jit
-    def decode(p, s, next_token):
-        s, logits = jspec.decode_step(p, cfg, s)
-        return jspec.commit(s, jnp.int32(0), next_token), logits
 
-    verify = jax.jit(lambda p, s, d: jspec.verify_step(p, cfg, s, d))
-    return cfg, params, state, decode, verify
+PROMPT = [5, 17, 3, 42, 8, 8, 9, 1, 77, 30, 2, 11, 4]
 
 
 def _check_rows(family: str, dtype: str, ks, int4: bool = False):
-    cfg, params, state, decode, verify = _setup(family, dtype, int4)
-    rng = np.random.default_rng(0)
-    draft_all = rng.integers(0, cfg.vocab_size, size=ROW_TILE).astype(np.int32)
-    # Decode path: feed the draft tokens one by one (forced commits), collecting each position's logits.
-    decode_logits = []
-    s = state
-    for i in range(ROW_TILE):
-        s, logits = decode(params, s, draft_all[i])
-        decode_logits.append(np.asarray(logits))
-    for k in ks:
-        _, logits = verify(params, state, draft_all[:k])
-        logits = np.asarray(logits)
-        assert logits.shape == (k + 1, cfg.vocab_size)
-        for i in range(k + 1):
-            assert np.array_equal(bits(logits[i]), bits(decode_logits[i])), f"{family} {dtype} k={k} row {i}"
+    cfg, params = _model(family, dtype, int4)
+    mismatches = verify_rows_match_decode(params, cfg, PROMPT, ks, max_len=MAX_LEN)
+    assert mismatches == {k: [] for k in ks}, f"{family} {dtype} int4={int4}: rows differing from decode"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -79,8 +56,15 @@ def test_verify_rows_equal_decode_int4(dtype):
     _check_rows("qwen2", dtype, (1, 7, 15), int4=True)
 
 
+def _prefilled(cfg, params):
+    padded = jnp.zeros((16,), jnp.int32).at[: len(PROMPT)].set(jnp.asarray(PROMPT))
+    state, _, _ = jspec.prefill(params, cfg, init_state(cfg, MAX_LEN, jnp.float32), padded, len(PROMPT))
+    return state
+
+
 def test_verify_rejects_k_beyond_row_tile():
-    cfg, params, state, _, _ = _setup("qwen2", "float32")
+    cfg, params = _model("qwen2", "float32")
+    state = _prefilled(cfg, params)
     with pytest.raises(ValueError, match="row tile"):
         jspec.verify_step(params, cfg, state, jnp.zeros((ROW_TILE,), jnp.int32))
     with pytest.raises(ValueError, match="row tile"):
@@ -88,8 +72,9 @@ def test_verify_rejects_k_beyond_row_tile():
 
 
 def test_commit_moves_position_and_sets_pending():
-    cfg, params, state, _, verify = _setup("qwen2", "float32")
-    s, _ = verify(params, state, jnp.asarray([1, 2, 3], jnp.int32))
+    cfg, params = _model("qwen2", "float32")
+    state = _prefilled(cfg, params)
+    s, _ = jspec.verify_step(params, cfg, state, jnp.asarray([1, 2, 3], jnp.int32))
     p = int(state.position)
     s = jspec.commit(s, jnp.int32(2), jnp.int32(55))
     assert int(s.position) == p + 3 and int(s.slot) == 2

@@ -6,9 +6,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jspec.config import ModelConfig, RopeConfig
+from jspec.exactness import bits  # re-exported for the tests
 from jspec.models import dense
 
 
@@ -48,12 +48,6 @@ def tiny_params(cfg: ModelConfig, dtype=jnp.float32, seed: int = 0) -> dict:
     return dense.init_params(cfg, jax.random.PRNGKey(seed), dtype, scale=0.1)
 
 
-def bits(a) -> np.ndarray:
-    """Raw bits of a float array (uint32 for float32, uint16 for bfloat16) for bitwise comparison."""
-    a = np.asarray(a)
-    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
-
-
 @dataclasses.dataclass(frozen=True)
 class ScriptDrafter:
     """Test-only drafter proposing the continuation of a fixed token script (prompt + expected output).
@@ -76,3 +70,6 @@ class ScriptDrafter:
         draft = (draft + self.offset) % self.vocab
         n_valid = jnp.clip(len(self.script) - state.position - 1, 0, k).astype(jnp.int32)
         return state, draft, n_valid
+
+
+__all__ = ["ScriptDrafter", "bits", "tiny_config", "tiny_params"]

@@ -80,7 +80,8 @@ class MTPDrafter:
             tokens = known
             for j, d in enumerate(drafts):
                 tokens = tokens.at[n + j].set(d)
-            shift = jnp.maximum(i - q, 0)  # short prompt: rows at negative positions are rolled out of the tile
+            # Short prompt (q < i): rows at negative positions are rolled out of the tile (never for layer 0).
+            shift = jnp.maximum(i - q, 0) if i else 0
             start = q - i + shift
             chain, normed, caches[i] = mtp_layer(
                 params,

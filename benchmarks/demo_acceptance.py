@@ -1,0 +1,322 @@
+"""Real acceptance with the bundled demo model: prompt lookup and MTP drafting on code-editing prompts (rewrite /
+rename / add a parameter: the answer repeats the prompt, so lookup should hit) and on free continuation (where it
+should not).
+
+For every prompt and drafter: mean_accepted, acceptance per draft position, tok/s against plain greedy, and the
+exactness check (speculative tokens == greedy tokens) on every run; the script exits non-zero if any run differs.
+Also the measured cost of a decode step and a verify step (host loop), which notebooks/03_cost_model.ipynb reads.
+
+    python benchmarks/demo_acceptance.py --out benchmarks/results/demo_acceptance_cpu.json [--commit SHA]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import checkpoints  # noqa: E402
+import jspec  # noqa: E402
+from pallas_kernels import get_backend  # noqa: E402
+
+# Code-editing prompts: code, a comment asking for an edit, and the start of the edited version. A model that has
+# learnt to copy continues with the (edited) rest, which prompt lookup finds in the prompt. Prompts end mid-line:
+# the tokenizer merges a newline with the next line's indentation, so a prompt ending in "\n" is an unusual split.
+EDIT_PROMPTS = {
+    "rename_variable": """def compute_total(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+
+
+# Same function, with `items` renamed to `products`.
+def compute_total(products, tax_rate):
+    subtotal = 0
+    for item in products:""",
+    "add_parameter": '''def read_lines(path, strip=True):
+    """Return the lines of a text file."""
+    with open(path) as f:
+        lines = f.readlines()
+    if strip:
+        lines = [line.strip() for line in lines]
+    return lines
+
+
+# Version 2: add an `encoding` parameter.
+def read_lines(path, strip=True, encoding="utf-8"):
+    """Return the lines of a text file."""
+    with open(path, encoding=encoding) as f:''',
+    "rewrite_method": """class Counter:
+    def __init__(self):
+        self.counts = {}
+
+    def add(self, key):
+        if key in self.counts:
+            self.counts[key] += 1
+        else:
+            self.counts[key] = 1
+
+    def get(self, key):
+        if key in self.counts:
+            return self.counts[key]
+        return 0
+
+
+class SafeCounter(Counter):
+    def __init__(self):
+        self.counts = {}
+
+    def add(self, key):""",
+    "rename_function": """def parse_args(argv):
+    parser = argparse.ArgumentParser(description="Process some files.")
+    parser.add_argument("paths", nargs="+", help="input files")
+    parser.add_argument("--output", default="out.txt", help="output file")
+    parser.add_argument("--verbose", action="store_true", help="print progress")
+    return parser.parse_args(argv)
+
+
+# Renamed: parse_args -> parse_command_line.
+def parse_command_line(argv):
+    parser = argparse.ArgumentParser(description="Process some files.")""",
+    "similar_test": """def test_add_positive(self):
+    calc = Calculator()
+    result = calc.add(2, 3)
+    self.assertEqual(result, 5)
+    self.assertIsInstance(result, int)
+
+
+def test_add_negative(self):
+    calc = Calculator()""",
+}
+FREE_PROMPTS = {
+    "main_function": "import os\nimport sys\n\n\ndef main():",
+    "class_definition": "class LRUCache:\n    def __init__(self, capacity):",
+    "module_docstring": '"""Utilities for reading configuration files."""\n\nimport json\n\n\ndef load_config(path):',
+}
+CATEGORIES = {"edit": EDIT_PROMPTS, "free": FREE_PROMPTS}
+NOTES = (
+    "Greedy tokens of every speculative run are compared with the greedy run of the same prompt (identical). "
+    "Timings: host loop, after a warm-up generation; tokens_per_s includes prefill. per_position_acceptance is "
+    "SpecStats' (a position no verify step of that run reached reads 0.0); summary values are means over prompts, "
+    "summary mean_accepted is pooled over verify steps. step_cost: host-loop time per decode step (greedy runs) "
+    "and per verify step (ungated runs, drafting included) for each k."
+)
+
+
+def load_demo(ckpt_dir: str):
+    """(params, cfg, tokenizer) of a jspec checkpoint directory holding tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    params, cfg = checkpoints.load(ckpt_dir)
+    return params, cfg, Tokenizer.from_file(os.path.join(ckpt_dir, "tokenizer.json"))
+
+
+def drafter_configs(lookup_k: int, mtp_k: int, with_mtp: bool) -> dict:
+    """name -> (k, drafter, gate)."""
+    configs = {
+        "prompt_lookup": (lookup_k, jspec.PromptLookup(), None),
+        "prompt_lookup_gated": (lookup_k, jspec.PromptLookup(), jspec.HitDensityGate()),
+    }
+    if with_mtp:
+        configs["mtp"] = (mtp_k, jspec.MTPDrafter(), None)
+    return configs
+
+
+def timed(engine: jspec.Engine, ids: list[int], max_new: int, **kwargs) -> jspec.GenerationResult:
+    """Generate once to compile (2 tokens), then the timed generation."""
+    engine.generate(ids, 2, **kwargs)
+    return engine.generate(ids, max_new, **kwargs)
+
+
+def run_prompt(engines: dict, configs: dict, ids: list[int], max_new: int, on_device: bool) -> list[dict]:
+    """Greedy, then every drafter config, on one prompt; each run compared token for token with greedy (the
+    on-device runs too)."""
+    base = engines[min(engines)]
+    greedy = timed(base, ids, max_new)
+    greedy_device = timed(base, ids, max_new, on_device=True) if on_device else None
+    rows = []
+    for name, (k, drafter, gate) in configs.items():
+        spec = timed(engines[k], ids, max_new, drafter=drafter, gate=gate)
+        s = spec.stats
+        row = dict(
+            drafter=name,
+            k=k,
+            identical=spec.tokens == greedy.tokens,
+            new_tokens=s.new_tokens,
+            mean_accepted=s.mean_accepted,
+            acceptance_rate=s.acceptance_rate,
+            per_position_acceptance=s.per_position_acceptance,
+            verify_steps=s.verify_steps,
+            decode_steps=s.decode_steps,
+            gate_engaged=s.gate_engaged,
+            would_hits=s.would_hits,
+            tokens_per_s=s.tokens_per_s,
+            greedy_tokens_per_s=greedy.stats.tokens_per_s,
+            speedup=s.tokens_per_s / greedy.stats.tokens_per_s,
+            decode_time_s=s.decode_time_s,
+            verify_time_s=s.verify_time_s,
+            greedy_decode_time_s=greedy.stats.decode_time_s,
+            greedy_decode_steps=greedy.stats.decode_steps,
+        )
+        if on_device:
+            device = timed(engines[k], ids, max_new, drafter=drafter, gate=gate, on_device=True)
+            row["identical"] = row["identical"] and device.tokens == greedy.tokens == greedy_device.tokens
+            row["on_device_tokens_per_s"] = device.stats.tokens_per_s
+            row["on_device_greedy_tokens_per_s"] = greedy_device.stats.tokens_per_s
+            row["on_device_speedup"] = device.stats.tokens_per_s / greedy_device.stats.tokens_per_s
+        rows.append(row)
+    return rows
+
+
+def summarize(runs: list[dict]) -> dict:
+    """category -> drafter -> means over prompts (per-position acceptance: mean over prompts that reached it)."""
+    out: dict = {}
+    for cat in CATEGORIES:
+        out[cat] = {}
+        for name in sorted({r["drafter"] for r in runs}):
+            rows = [r for r in runs if r["category"] == cat and r["drafter"] == name]
+            if not rows:
+                continue
+            k = rows[0]["k"]
+            per_pos = [
+                float(np.mean([r["per_position_acceptance"][i] for r in rows if r["verify_steps"]] or [0.0]))
+                for i in range(k)
+            ]
+            verify = sum(r["verify_steps"] for r in rows)
+            out[cat][name] = dict(
+                k=k,
+                prompts=len(rows),
+                identical=all(r["identical"] for r in rows),
+                mean_accepted=(sum(r["mean_accepted"] * r["verify_steps"] for r in rows) / verify) if verify else 0.0,
+                acceptance_rate=float(np.mean([r["acceptance_rate"] for r in rows])),
+                per_position_acceptance=per_pos,
+                tokens_per_s=float(np.mean([r["tokens_per_s"] for r in rows])),
+                greedy_tokens_per_s=float(np.mean([r["greedy_tokens_per_s"] for r in rows])),
+                speedup=float(np.mean([r["speedup"] for r in rows])),
+                verify_fraction=verify / max(1, sum(r["verify_steps"] + r["decode_steps"] for r in rows)),
+            )
+            if "on_device_speedup" in rows[0]:
+                out[cat][name]["on_device_speedup"] = float(np.mean([r["on_device_speedup"] for r in rows]))
+    return out
+
+
+def step_costs(runs: list[dict]) -> dict:
+    """Measured host-loop step times: decode (from the greedy runs) and verify per k (ungated runs)."""
+    greedy_steps = sum(r["greedy_decode_steps"] for r in runs)
+    decode_ms = 1e3 * sum(r["greedy_decode_time_s"] for r in runs) / greedy_steps
+    verify_ms = {}
+    for k in sorted({r["k"] for r in runs}):
+        rows = [r for r in runs if r["k"] == k and r["verify_steps"] and r["drafter"] != "prompt_lookup_gated"]
+        steps = sum(r["verify_steps"] for r in rows)
+        if steps:
+            verify_ms[str(k)] = 1e3 * sum(r["verify_time_s"] for r in rows) / steps
+    return dict(decode_ms=decode_ms, verify_ms=verify_ms, source="host loop (SpecStats decode/verify time per step)")
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=40"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="JSON output path")
+    p.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
+    p.add_argument("--checkpoint", help="jspec checkpoint dir with tokenizer.json (default: the bundled demo)")
+    p.add_argument("--k", type=int, default=7, help="draft length for prompt lookup")
+    p.add_argument("--mtp-k", type=int, default=2, help="draft length for MTP")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--on-device", choices=("auto", "yes", "no"), default="auto", help="also time generate_on_device")
+    p.add_argument("--prompts", nargs="*", help="only these prompt names")
+    args = p.parse_args(argv)
+
+    ckpt = args.checkpoint or checkpoints.demo_dir()
+    params, cfg, tok = load_demo(ckpt)
+    on_device = args.on_device == "yes" or (args.on_device == "auto" and jax.default_backend() == "gpu")
+    with_mtp = cfg.num_mtp_layers > 0
+    configs = drafter_configs(args.k, args.mtp_k, with_mtp)
+    engines = {k: jspec.Engine(params, cfg, max_len=args.max_len, k=k) for k in {c[0] for c in configs.values()}}
+    load_before = os.getloadavg()[0]
+    runs = []
+    for cat, prompts in CATEGORIES.items():
+        for name, text in prompts.items():
+            if args.prompts and name not in args.prompts:
+                continue
+            ids = tok.encode(text).ids
+            t0 = time.perf_counter()
+            for row in run_prompt(engines, configs, ids, args.max_new_tokens, on_device):
+                runs.append(dict(category=cat, prompt=name, prompt_tokens=len(ids), **row))
+                print(
+                    f"{cat:5s} {name:18s} {row['drafter']:20s} k={row['k']} identical={row['identical']} "
+                    f"mean_accepted={row['mean_accepted']:.2f} per_pos="
+                    f"{[round(a, 2) for a in row['per_position_acceptance']]} "
+                    f"tok/s={row['tokens_per_s']:.1f} (greedy {row['greedy_tokens_per_s']:.1f})",
+                    flush=True,
+                )
+            print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
+    if not runs:
+        raise SystemExit(f"no prompt selected by --prompts {args.prompts}")
+    device = jax.devices()[0]
+    result = dict(
+        benchmark="demo_acceptance",
+        device=str(device),
+        device_kind=device.device_kind,
+        platform=jax.default_backend(),
+        kernel_backend=get_backend(),
+        cpu_count=os.cpu_count(),
+        host_load_1min=dict(start=load_before, end=os.getloadavg()[0]),
+        jax_version=jax.__version__,
+        commit=args.commit or git_commit(),
+        checkpoint=os.path.relpath(ckpt, ROOT) if ckpt.startswith(ROOT) else ckpt,
+        model=dict(cfg.to_dict()),
+        max_new_tokens=args.max_new_tokens,
+        max_len=args.max_len,
+        all_identical=all(r["identical"] for r in runs),
+        notes=NOTES,
+        summary=summarize(runs),
+        step_cost=step_costs(runs),
+        runs=runs,
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    for cat, by_drafter in result["summary"].items():
+        for name, s in by_drafter.items():
+            print(
+                f"{cat:5s} {name:20s} mean_accepted {s['mean_accepted']:.2f}  per position "
+                f"{[round(a, 2) for a in s['per_position_acceptance']]}  speedup {s['speedup']:.2f}x  "
+                f"identical {s['identical']}"
+            )
+    print(f"step cost: {result['step_cost']}")
+    print(f"wrote {args.out}")
+    if not result["all_identical"]:
+        bad = [(r["prompt"], r["drafter"]) for r in runs if not r["identical"]]
+        print(f"SPECULATIVE OUTPUT DIFFERS FROM GREEDY: {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

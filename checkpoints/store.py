@@ -1,0 +1,111 @@
+"""orbax storage of (params, cfg): a directory with `params/` (an orbax checkpoint of every array) and `jspec.json`
+(the ModelConfig via `to_dict` and the params tree structure, so `load` rebuilds dicts, lists, `Int4Weight` leaves
+and None zeros exactly). int4 weights are stored as their packed uint8 codes, bf16 scales and uint8 zeros: a round
+trip is bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.config import ModelConfig
+from pallas_kernels.int4 import Int4Weight
+
+FORMAT = "jspec-params"
+VERSION = 1
+META_FILE = "jspec.json"
+PARAMS_DIR = "params"
+
+
+def save(out_dir: str | os.PathLike, params, cfg: ModelConfig) -> None:
+    """Write params (a pytree of dicts / lists / tuples / arrays / Int4Weight / None) and cfg to a new out_dir."""
+    out = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(out) and os.listdir(out):
+        raise FileExistsError(f"{out} exists and is not empty; save writes a new directory")
+    arrays: dict[str, jax.Array] = {}
+    tree = _encode(params, "params", arrays)
+    import orbax.checkpoint as ocp
+
+    os.makedirs(out, exist_ok=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.join(out, PARAMS_DIR), arrays)
+    checkpointer.wait_until_finished()
+    meta = dict(format=FORMAT, version=VERSION, config=cfg.to_dict(), tree=tree)
+    with open(os.path.join(out, META_FILE), "w") as f:
+        json.dump(meta, f, indent=1)
+
+
+def load(ckpt_dir: str | os.PathLike) -> tuple[dict, ModelConfig]:
+    """Read what `save` wrote -> (params, cfg); arrays land on the default device."""
+    root = os.path.abspath(os.fspath(ckpt_dir))
+    meta_path = os.path.join(root, META_FILE)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"cannot read {meta_path} (not a jspec checkpoint written by save?): {e}") from e
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(
+            f"{meta_path}: format {meta.get('format')!r} v{meta.get('version')} is not {FORMAT} v{VERSION}"
+        )
+    import orbax.checkpoint as ocp
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {}
+    _collect_specs(meta["tree"], target, sharding)
+    arrays = ocp.StandardCheckpointer().restore(os.path.join(root, PARAMS_DIR), target)
+    return _decode(meta["tree"], arrays), ModelConfig.from_dict(meta["config"])
+
+
+def _encode(node, path: str, arrays: dict) -> object:
+    """Tree -> JSON structure; arrays go into `arrays` under their path."""
+    if node is None:
+        return None
+    if isinstance(node, Int4Weight):
+        fields = dict(packed=node.packed, scales=node.scales, zeros=node.zeros)
+        return {"int4": {k: _encode(v, f"{path}.{k}", arrays) for k, v in fields.items()}}
+    if isinstance(node, dict):
+        for key in node:
+            if not isinstance(key, str):
+                raise TypeError(f"{path}: dict keys must be strings to be saved, got {key!r}")
+        return {"dict": {k: _encode(v, f"{path}.{k}", arrays) for k, v in node.items()}}
+    if isinstance(node, list | tuple):
+        kind = "list" if isinstance(node, list) else "tuple"
+        return {kind: [_encode(v, f"{path}.{i}", arrays) for i, v in enumerate(node)]}
+    if isinstance(node, jax.Array | np.ndarray | np.generic):
+        if path in arrays:
+            raise ValueError(f"two params share the storage name {path!r} (a dict key containing '.')")
+        arrays[path] = jnp.asarray(node)
+        return {"array": path, "shape": list(np.shape(node)), "dtype": jnp.dtype(node.dtype).name}
+    raise TypeError(f"{path}: cannot save a {type(node).__name__} (expected arrays, Int4Weight, dict, list, tuple)")
+
+
+def _collect_specs(tree, target: dict, sharding) -> None:
+    """Abstract restore target {path: ShapeDtypeStruct} from the JSON structure."""
+    if tree is None:
+        return
+    if "array" in tree:
+        target[tree["array"]] = jax.ShapeDtypeStruct(tuple(tree["shape"]), jnp.dtype(tree["dtype"]), sharding=sharding)
+        return
+    ((kind, body),) = tree.items()
+    for child in body.values() if isinstance(body, dict) else body:
+        _collect_specs(child, target, sharding)
+
+
+def _decode(tree, arrays: dict):
+    if tree is None:
+        return None
+    if "array" in tree:
+        return arrays[tree["array"]]
+    ((kind, body),) = tree.items()
+    if kind == "int4":
+        return Int4Weight(**{k: _decode(v, arrays) for k, v in body.items()})
+    if kind == "dict":
+        return {k: _decode(v, arrays) for k, v in body.items()}
+    children = [_decode(v, arrays) for v in body]
+    return children if kind == "list" else tuple(children)

@@ -1,0 +1,60 @@
+"""Step-level exactness check, usable on any model and backend: verify_step row i must equal, bit for bit,
+the decode_step logits at position p + i (DESIGN 2.1). The tests and the GPU exactness run both call this."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.config import ModelConfig
+from jspec.state import init_state
+from jspec.steps import commit, decode_step, prefill, verify_step
+from pallas_kernels import ROW_TILE
+
+
+def bits(a) -> np.ndarray:
+    """Raw bits of a float array (uint32 for 4-byte floats, uint16 for 2-byte) for bitwise comparison."""
+    a = np.asarray(a)
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _decode_forced(params, cfg: ModelConfig, state, next_token):
+    state, logits = decode_step(params, cfg, state)
+    return commit(state, jnp.int32(0), next_token), logits
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _verify(params, cfg: ModelConfig, state, draft):
+    return verify_step(params, cfg, state, draft)
+
+
+def verify_rows_match_decode(
+    params: dict, cfg: ModelConfig, prompt, ks=range(1, ROW_TILE), *, max_len: int = 256, dtype=None, seed: int = 0
+) -> dict[int, list[int]]:
+    """Prefill `prompt`, then for each k compare verify_step(k) rows with decode_step run position by position
+    over the same tokens (a random draft, committed by force on the decode side).
+
+    Returns {k: [rows whose logits differ in any bit]} (all lists empty = exact).
+    """
+    dtype = jnp.dtype(dtype or params["embed"].dtype)
+    prompt = np.asarray(prompt, np.int32)
+    bucket = max(16, 1 << int(np.ceil(np.log2(prompt.size))))
+    padded = np.zeros((min(bucket, max_len),), np.int32)
+    padded[: prompt.size] = prompt
+    state = init_state(cfg, max_len, dtype)
+    state, _, _ = jax.jit(prefill, static_argnums=1)(params, cfg, state, padded, prompt.size)
+    draft = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=ROW_TILE).astype(np.int32)
+    decode_bits, s = [], state
+    for i in range(max(ks) + 1):
+        s, logits = _decode_forced(params, cfg, s, draft[i])
+        decode_bits.append(bits(logits))
+    mismatches = {}
+    for k in ks:
+        _, logits = _verify(params, cfg, state, draft[:k])
+        rows = bits(logits)
+        mismatches[k] = [i for i in range(k + 1) if not np.array_equal(rows[i], decode_bits[i])]
+    return mismatches

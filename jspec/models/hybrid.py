@@ -1,0 +1,193 @@
+"""Hybrid Gated-DeltaNet families: qwen3_next (dense configs) and qwen3_5 (text). Layers follow cfg.layer_types:
+"linear_attention" (Gated DeltaNet) or "full_attention" (gated attention); each is followed by a SwiGLU MLP. Every
+RMSNorm is (1 + w) except the gated norm inside Gated DeltaNet (plain w).
+
+Params (a plain dict pytree; every linear weight is dense [K, N] or an int4 `Int4Weight`):
+  embed [V, H]; final_norm [H]; lm_head [H, V] (absent when tied and not quantized)
+  every layer: input_norm [H], post_attn_norm [H], gate_up [H, 2I] ([gate | up]), down [I, H]
+  full attention: qkv [H, 2 Hq D + 2 Hkv D] = [q_proj | k_proj | v_proj] with q_proj's per-head layout kept
+             (head h: query in columns 2hD..2hD+D-1, output gate in the next D), qkv_bias, q_norm [D], k_norm [D],
+             o [Hq D, H], o_bias
+  Gated DeltaNet: in_proj [H, 2 Kd + 2 Vd + 2 nv] = [q | k | v | z | b | a] (Kd = nk dk, Vd = nv dv; q/k/v are
+             the conv channels), conv [W, 2 Kd + Vd] (tap W-1 = current input), A_log [nv] float32,
+             dt_bias [nv] float32, gdn_norm [dv], out [Vd, H]
+Cache, one entry per layer: full attention (k, v) [S, Hkv, D] in the activation dtype; Gated DeltaNet
+  {"conv": [R, W-1, 2 Kd + Vd] activation dtype, "ssm": float32 [R, nv, dk, dv]} with R = ROW_TILE candidate slots:
+  slot `state.slot` holds the committed state; a row-tile step advances `rows` positions from it and leaves the
+  post-state after row i in slot i (prefill leaves its final state in slot 0), so `commit` rolls back by selecting.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jspec.config import ModelConfig
+from jspec.models.dense import cached_attention
+from jspec.models.layers import apply_rope, rms_norm, swiglu_mlp
+from pallas_kernels import ROW_TILE, linear
+from pallas_kernels.recurrent import causal_conv, chunk_gated_delta, conv_window, gdn_rows, l2_normalize
+
+FULL, LINEAR = "full_attention", "linear_attention"
+# The linear weights of a layer (int4-quantizable); lm_head is the other one.
+LINEAR_WEIGHTS = ("qkv", "o", "in_proj", "out", "gate_up", "down")
+
+
+def _norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
+    return rms_norm(x, weight, cfg.rms_norm_eps, plus_one=True)
+
+
+def _dims(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(Kd, Vd, conv channels) of a Gated DeltaNet layer."""
+    key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    value_dim = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    return key_dim, value_dim, 2 * key_dim + value_dim
+
+
+def _mlp_block(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    return x + swiglu_mlp(p, _norm(x, p["post_attn_norm"], cfg), cfg)
+
+
+def init_cache(cfg: ModelConfig, length: int, dtype) -> tuple:
+    _, _, conv_dim = _dims(cfg)
+    kv_shape = (length, cfg.num_kv_heads, cfg.head_dim)
+    ssm_shape = (ROW_TILE, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    return tuple(
+        (jnp.zeros(kv_shape, dtype), jnp.zeros(kv_shape, dtype))
+        if kind == FULL
+        else dict(
+            conv=jnp.zeros((ROW_TILE, cfg.linear_conv_kernel_dim - 1, conv_dim), dtype),
+            ssm=jnp.zeros(ssm_shape, jnp.float32),
+        )
+        for kind in cfg.layer_types
+    )
+
+
+def attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache, start):
+    """Gated-attention decoder layer (+ MLP) on the residual stream x [T, H] -> (x, cache); cache/start as in
+    `jspec.models.dense.attend` (cache None: full causal; start None: prefill; else a row-tile step)."""
+    t, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = linear(_norm(x, p["input_norm"], cfg), p["qkv"], p.get("qkv_bias"))
+    q_gate, k, v = jnp.split(qkv, [2 * cfg.q_size, 2 * cfg.q_size + cfg.kv_size], axis=-1)
+    q, gate = jnp.split(q_gate.reshape(t, hq, 2 * d), 2, axis=-1)
+    q = apply_rope(_norm(q, p["q_norm"], cfg), positions, cfg)
+    k = apply_rope(_norm(k.reshape(t, hkv, d), p["k_norm"], cfg), positions, cfg)
+    out, cache = cached_attention(cfg, q, k, v.reshape(t, hkv, d), cache, start)
+    out = out.reshape(t, cfg.q_size) * jax.nn.sigmoid(gate.reshape(t, cfg.q_size))
+    return _mlp_block(p, cfg, x + linear(out, p["o"], p.get("o_bias"))), cache
+
+
+def _gated_norm(x: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """w * normalize(x) gated by silu(z), per head: x, z [..., dv] in the activation dtype (as transformers)."""
+    xf = x.astype(jnp.float32)
+    normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return ((weight * normed).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+
+
+def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, start, length, slot, rows):
+    """Gated DeltaNet token mixer on normed h [T, H] -> ([T, H], cache). cache None: full forward from a zero state;
+    start None: prefill of `length` valid rows (padding leaves the state alone) into slot 0; else a row-tile step."""
+    t, dtype = h.shape[0], h.dtype
+    nk, nv, dk, dv = (
+        cfg.linear_num_key_heads,
+        cfg.linear_num_value_heads,
+        cfg.linear_key_head_dim,
+        cfg.linear_value_head_dim,
+    )
+    key_dim, value_dim, conv_dim = _dims(cfg)
+    width = cfg.linear_conv_kernel_dim
+    mixed, z, b, a = jnp.split(linear(h, p["in_proj"]), [conv_dim, conv_dim + value_dim, conv_dim + value_dim + nv], -1)
+    stepping = cache is not None and start is not None
+    window = cache["conv"][slot] if stepping else jnp.zeros((width - 1, conv_dim), dtype)
+    conv, seq = causal_conv(window, mixed, p["conv"])
+    q, k, v = jnp.split(conv.astype(dtype).astype(jnp.float32), [key_dim, 2 * key_dim], axis=-1)
+    group = nv // nk
+    q = jnp.repeat(l2_normalize(q.reshape(t, nk, dk)) * dk**-0.5, group, axis=1)
+    k = jnp.repeat(l2_normalize(k.reshape(t, nk, dk)), group, axis=1)
+    v = v.reshape(t, nv, dv)
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + p["dt_bias"])
+    beta = jax.nn.sigmoid(b).astype(jnp.float32)
+    if stepping:
+        ssm, out = gdn_rows(cache["ssm"], slot, q, k, v, g, beta, rows)
+        windows = jnp.stack([conv_window(seq, i + 1, width) for i in range(rows)])
+        cache = dict(conv=cache["conv"].at[:rows].set(windows), ssm=ssm)
+    else:
+        if length is not None:
+            valid = (jnp.arange(t) < length)[:, None]
+            g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
+        out, state = chunk_gated_delta(q, k, v, g, beta)
+        if cache is not None:
+            end = t if length is None else length
+            cache = dict(conv=cache["conv"].at[0].set(conv_window(seq, end, width)), ssm=cache["ssm"].at[0].set(state))
+    out = _gated_norm(out.astype(dtype), z.reshape(t, nv, dv), p["gdn_norm"], cfg.rms_norm_eps)
+    return linear(out.reshape(t, value_dim), p["out"]), cache
+
+
+def linear_attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, cache, start, length, slot, rows):
+    """Gated DeltaNet decoder layer (+ MLP) on the residual stream x [T, H] -> (x, cache)."""
+    out, cache = gated_deltanet(p, cfg, _norm(x, p["input_norm"], cfg), cache, start, length, slot, rows)
+    return _mlp_block(p, cfg, x + out), cache
+
+
+def run(
+    params: dict, cfg: ModelConfig, tokens: jax.Array, cache=None, *, start=None, length=None, slot=None, rows=None
+):
+    """Embed tokens [T], run every layer, final norm -> (hidden [T, H], cache); the family contract of
+    jspec.models. A row-tile step (start given) needs slot (int32 [], the committed candidate) and rows (static)."""
+    if cache is not None and start is not None and (slot is None or rows is None):
+        raise ValueError("a hybrid row-tile step needs slot and rows")
+    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32) + (0 if start is None else start)
+    x = params["embed"][tokens]
+    new_cache = []
+    for i, (kind, p) in enumerate(zip(cfg.layer_types, params["layers"], strict=True)):
+        layer_cache = None if cache is None else cache[i]
+        if kind == FULL:
+            x, layer_cache = attention_layer(p, cfg, x, positions, layer_cache, start)
+        else:
+            x, layer_cache = linear_attention_layer(p, cfg, x, layer_cache, start, length, slot, rows)
+        new_cache.append(layer_cache)
+    x = _norm(x, params["final_norm"], cfg)
+    return x, None if cache is None else tuple(new_cache)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.05) -> dict:
+    """Random params in the layout above (tests and benchmarks; real weights come from `checkpoints`).
+
+    (1 + w) norm weights are small noise around 0; A_log = log U(0.02, 0.5) so the recurrent state keeps a
+    memory of tens of positions.
+    """
+    if len(cfg.layer_types) != cfg.num_layers or set(cfg.layer_types) - {FULL, LINEAR}:
+        raise ValueError(f"hybrid layer_types must list {FULL!r} / {LINEAR!r} for each of {cfg.num_layers} layers")
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    key_dim, value_dim, conv_dim = _dims(cfg)
+    qkv_n = 2 * cfg.q_size + 2 * cfg.kv_size
+    keys = iter(jax.random.split(key, 16 * cfg.num_layers + 4))
+
+    def rand(*shape, dt=dtype):
+        return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dt)
+
+    layers = []
+    for kind in cfg.layer_types:
+        p = dict(input_norm=rand(h), post_attn_norm=rand(h), gate_up=rand(h, 2 * inter), down=rand(inter, h))
+        if kind == FULL:
+            p.update(qkv=rand(h, qkv_n), q_norm=rand(d), k_norm=rand(d), o=rand(cfg.q_size, h))
+            if cfg.attention_bias:
+                p["qkv_bias"] = rand(qkv_n)
+            if cfg.o_bias:
+                p["o_bias"] = rand(h)
+        else:
+            a = jax.random.uniform(next(keys), (nv,), jnp.float32, 0.02, 0.5)
+            p.update(
+                in_proj=rand(h, conv_dim + value_dim + 2 * nv),
+                conv=(rand(cfg.linear_conv_kernel_dim, conv_dim, dt=jnp.float32) * 10).astype(dtype),
+                A_log=jnp.log(a),
+                dt_bias=rand(nv, dt=jnp.float32),
+                gdn_norm=(1.0 + rand(dv, dt=jnp.float32)).astype(dtype),
+                out=rand(value_dim, h),
+            )
+        layers.append(p)
+    params = dict(embed=rand(cfg.vocab_size, h) * 20, layers=layers, final_norm=rand(h))
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = rand(h, cfg.vocab_size)
+    return params

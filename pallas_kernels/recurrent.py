@@ -1,0 +1,189 @@
+"""Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention): the recurrent step, the causal depthwise conv1d and the
+chunked prefill. All recurrent arithmetic is float32.
+
+The recurrence, per value head (state S [dk, dv], query q / key k [dk] L2-normalised, q scaled by dk**-0.5, value
+v [dv], log-decay g <= 0, write strength beta in (0, 1)):
+    S <- exp(g) S;   u = beta (v - S^T k);   S <- S + k u^T;   out = S^T q
+
+Exactness (DESIGN 2.3): `gdn_rows` advances a row tile one position at a time with the step arithmetic and keeps
+the post-state after every valid row in its own candidate slot; a commit then selects one by index. Decode and
+verify run the very same compiled loop (the row count is a runtime value), so row i's post-state and output are
+the bits of the decode at that position. Everything outside the loop works on full fixed-shape row tiles.
+Backends: "reference" is a jnp while loop; "pallas" (GPU) / "interpret" a Pallas kernel, one program per (value
+head, block of value columns), that keeps its state block in registers across the rows: it reads the committed
+state once and writes each post-state once (an XLA loop makes several passes over the state per row).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import backend as _backend
+
+L2_EPS = 1e-6  # as the FLA library / transformers: x * rsqrt(sum(x^2) + eps)
+CHUNK = 64  # prefill chunk length
+BLOCK_V = 32  # value columns per program of the recurrent kernel (state block [dk, BLOCK_V] float32 in registers)
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    """float32 x [..., d] -> x / sqrt(sum(x^2) + eps) along the last axis."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def causal_conv(window: jax.Array, x: jax.Array, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Depthwise causal conv1d + SiLU over new inputs x [T, C] preceded by the window [W-1, C] of earlier inputs.
+
+    weight [W, C] (tap W-1 multiplies the current input). Returns (float32 [T, C], seq [W-1+T, C] = window ++ x in
+    x.dtype, from which `conv_window` reads later windows). Taps are summed in float32 in a fixed order.
+    """
+    width = weight.shape[0]
+    seq = jnp.concatenate([window.astype(x.dtype), x], axis=0)
+    seqf, wf = seq.astype(jnp.float32), weight.astype(jnp.float32)
+    t = x.shape[0]
+    acc = seqf[0:t] * wf[0]
+    for j in range(1, width):
+        acc = acc + seqf[j : j + t] * wf[j]
+    return jax.nn.silu(acc), seq
+
+
+def conv_window(seq: jax.Array, consumed, width: int) -> jax.Array:
+    """The conv window [W-1, C] after the first `consumed` inputs of `causal_conv`'s seq (static or traced)."""
+    return jax.lax.dynamic_slice_in_dim(seq, consumed, width - 1, axis=0)
+
+
+def gdn_step(state, q, k, v, g, beta):
+    """One position of one value head: state [dk, dv], q/k [dk], v [dv], g/beta [] (float32) -> (state, out [dv])."""
+    state = state * jnp.exp(g)
+    kv = jnp.sum(state * k[:, None], axis=0)
+    delta = (v - kv) * beta
+    state = state + k[:, None] * delta[None, :]
+    return state, jnp.sum(state * q[:, None], axis=0)
+
+
+def gdn_rows(states, slot, q, k, v, g, beta, rows: int):
+    """Advance the first `rows` rows of a row tile from candidate state `slot`, keeping every post-state.
+
+    states float32 [R, h, dk, dv]: candidate post-states, states[slot] the committed one. q/k [R, h, dk],
+    v [R, h, dv], g/beta [R, h] float32 (the full row tile, R = ROW_TILE). Returns (states with the post-state
+    after row i in slot i for i < rows, out float32 [R, h, dv] with rows >= `rows` zero).
+
+    `rows` is static, but the loop gets it as a runtime value derived from `slot` (a traced value in every step:
+    DecodeState.slot): decode (1 row) and verify (k + 1 rows) run the very same compiled loop body, a fusion
+    boundary for XLA, so row i's arithmetic cannot depend on the row count. (A constant slot lets XLA see the trip
+    count and unroll the loop differently per row count.)
+    """
+    r = states.shape[0]
+    if not 1 <= rows <= r or q.shape[0] != r:
+        raise ValueError(f"rows={rows} must be in 1..{r} and the tile must have {r} rows, got {q.shape[0]}")
+    count = jnp.where(slot >= 0, rows, 0).astype(jnp.int32)  # a value XLA cannot constant-fold into the loop
+    name = _backend.get_backend()
+    if name == "reference":
+        return _rows_reference(states, slot, q, k, v, g, beta, count)
+    return _rows_pallas(states, slot, q, k, v, g, beta, count, interpret=name == "interpret")
+
+
+def _rows_reference(states, slot, q, k, v, g, beta, count):
+    def body(i, carry):
+        state, states, out = carry
+        state, o = jax.vmap(gdn_step)(state, q[i], k[i], v[i], g[i], beta[i])
+        return state, states.at[i].set(state), out.at[i].set(o)
+
+    init = (jax.lax.dynamic_index_in_dim(states, slot, keepdims=False), states, jnp.zeros_like(v))
+    _, states, out = jax.lax.fori_loop(0, count, body, init)
+    return states, out
+
+
+def _rows_kernel(slot_ref, count_ref, s_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_out, o_ref):
+    """One (value head, dv block) program: s_ref/s_out [R, dk, BV] (aliased), q_ref/k_ref [R, dk], v_ref/o_ref
+    [R, BV], g_ref/b_ref [R]. The state stays in registers across the rows; each post-state is stored once."""
+    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+    def step(i, state):
+        state, o_ref[i] = gdn_step(state, q_ref[i], k_ref[i], v_ref[i], g_ref[i], b_ref[i])
+        s_out[i] = state
+        return state
+
+    jax.lax.fori_loop(0, count_ref[0], step, s_ref[slot_ref[0]])
+
+
+def _rows_pallas(states, slot, q, k, v, g, beta, count, *, interpret: bool):
+    r, h, dk, dv = states.shape
+    block_v = min(dv, BLOCK_V)
+    if dv % block_v or dk & (dk - 1) or block_v & (block_v - 1):
+        raise ValueError(f"the recurrent kernel needs power-of-2 dk and dv blocks, got dk={dk}, dv={dv}")
+    scalar = pl.BlockSpec((1,), lambda *_: (0,))
+    state_spec = pl.BlockSpec((r, None, dk, block_v), lambda i, j: (0, i, 0, j))
+    qk_spec = pl.BlockSpec((r, None, dk), lambda i, j: (0, i, 0))
+    v_spec = pl.BlockSpec((r, None, block_v), lambda i, j: (0, i, j))
+    gate_spec = pl.BlockSpec((r, None), lambda i, j: (0, i))
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        params = pltriton.CompilerParams(num_warps=4, num_stages=1)
+    return pl.pallas_call(
+        _rows_kernel,
+        grid=(h, dv // block_v),
+        in_specs=[scalar, scalar, state_spec, qk_spec, qk_spec, v_spec, gate_spec, gate_spec],
+        out_specs=[state_spec, v_spec],
+        out_shape=[jax.ShapeDtypeStruct(states.shape, jnp.float32), jax.ShapeDtypeStruct(v.shape, jnp.float32)],
+        input_output_aliases={2: 0},
+        compiler_params=params,
+        interpret=interpret,
+        name="jspec_gdn_rows",
+    )(jnp.reshape(slot, (1,)).astype(jnp.int32), jnp.reshape(count, (1,)), states, q, k, v, g, beta)
+
+
+def chunk_gated_delta(q, k, v, g, beta, chunk: int = CHUNK):
+    """The recurrence over a whole sequence from a zero state, chunk by chunk (the WY / UT-transform form).
+
+    q/k [T, h, dk], v [T, h, dv], g/beta [T, h] float32 -> (out float32 [T, h, dv], final state [h, dk, dv]).
+    A position with g = 0 and beta = 0 leaves the state unchanged (how prefill masks its padding).
+    Within a chunk with cumulative log-decay G_t: u = (I + L)^-1 (beta v - beta e^G k S0), L[t, j] =
+    beta_t e^(G_t - G_j) k_t.k_j (j < t); out = e^G q S0 + (q k^T * decay, lower incl. diagonal) u;
+    S1 = e^(G_last) S0 + sum_j e^(G_last - G_j) k_j u_j^T.
+    """
+    t, h, dk = q.shape
+    dv = v.shape[-1]
+    n = -(-t // chunk)
+    pad = n * chunk - t
+
+    def blocks(x):  # [T, h, ...] -> [h, n, chunk, ...]
+        x = jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1))
+        x = x.reshape((n, chunk) + x.shape[1:])
+        return jnp.moveaxis(x, 2, 0)
+
+    q, k, v, g, beta = (blocks(x) for x in (q, k, v, g, beta))
+    cum = jnp.cumsum(g, axis=-1)  # [h, n, C]
+    lower = jnp.tril(jnp.ones((chunk, chunk), bool))
+    diff = cum[..., :, None] - cum[..., None, :]
+    decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)  # [h, n, C, C]
+    k_beta = k * beta[..., None]
+    strict = jnp.einsum("hncd,hned->hnce", k_beta, k, precision=_HIGHEST) * decay * ~jnp.eye(chunk, dtype=bool)
+    system = strict + jnp.eye(chunk, dtype=jnp.float32)
+
+    def solve(rhs):
+        return jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+
+    u_v = solve(v * beta[..., None])
+    u_k = solve(k_beta * jnp.exp(cum)[..., None])
+    attn = jnp.einsum("hncd,hned->hnce", q, k, precision=_HIGHEST) * decay
+    q_decayed = q * jnp.exp(cum)[..., None]
+    k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])  # [h, n]
+
+    def body(state, xs):
+        u_v_c, u_k_c, attn_c, q_c, k_c, decay_c = xs
+        u = u_v_c - jnp.einsum("hcd,hde->hce", u_k_c, state, precision=_HIGHEST)
+        out = jnp.einsum("hcd,hde->hce", q_c, state, precision=_HIGHEST)
+        out = out + jnp.einsum("hce,hef->hcf", attn_c, u, precision=_HIGHEST)
+        state = state * decay_c[:, None, None] + jnp.einsum("hcd,hce->hde", k_c, u, precision=_HIGHEST)
+        return state, out
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (u_v, u_k, attn, q_decayed, k_decayed, chunk_decay))
+    state, out = jax.lax.scan(body, jnp.zeros((h, dk, dv), jnp.float32), xs)  # out [n, h, C, dv]
+    out = jnp.moveaxis(out, 1, 0).reshape(h, n * chunk, dv)[:, :t]
+    return jnp.moveaxis(out, 0, 1), state

@@ -1,0 +1,167 @@
+"""Pallas decode/verify attention (pallas_kernels/attention_kernel.py) in interpret mode on CPU.
+
+Row exactness (DESIGN 2.2): row r of a call with M rows at `start` is bit-identical to the M=1 call at position
+start + r, for every M in 1..ROW_TILE, across block and split boundaries, with different stale data past each
+call's rows. Agreement with the jnp reference is checked with tolerances.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import ROW_TILE, attention_kernel, use_backend
+from pallas_kernels import attention as dispatch_attention
+from pallas_kernels.attention import reference_attention
+from tests.tiny import bits
+
+S, HQ, HKV, D = 1024, 8, 2, 64  # default partition: blocks of 64, splits of 512 -> 2 splits
+SCALE = D**-0.5
+
+
+def _history(dtype, seed=0, s_len=S, hq=HQ, hkv=HKV, d=D):
+    """True per-position queries [S, Hq, D] and caches [S, Hkv, D] (random, O(1), in dtype)."""
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(kq, (s_len, hq, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (s_len, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (s_len, hkv, d), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+def _with_stale(cache, start, m, seed):
+    """The cache as one call at `start` with m rows sees it: rows >= start + m hold other (large, finite) data."""
+    noise = 30.0 * jax.random.normal(jax.random.PRNGKey(seed), cache.shape, jnp.float32)
+    stale = jnp.arange(cache.shape[0])[:, None, None] >= start + m
+    return jnp.where(stale, noise.astype(cache.dtype), cache)
+
+
+def _call(q_hist, k_hist, v_hist, start, m, seed, **kw):
+    """attention on rows start..start+m-1 of the history, with call-specific stale data past them."""
+    k = _with_stale(k_hist, start, m, seed)
+    v = _with_stale(v_hist, start, m, seed + 1)
+    q = q_hist[start : start + m]
+    return np.asarray(attention_kernel.attention(q, k, v, jnp.int32(start), scale=SCALE, interpret=True, **kw))
+
+
+def _check_rows_exact(dtype, positions, ms, s_len=S, hq=HQ, **kw):
+    """Every row of every (M, start) call covering `positions` equals the M=1 call at that row's position."""
+    q_hist, k_hist, v_hist = _history(dtype, s_len=s_len, hq=hq)
+    decode = {t: _call(q_hist, k_hist, v_hist, t, 1, seed=1000 + t, **kw)[0] for t in positions}
+    lo, hi = min(positions), max(positions)
+    for m in ms:
+        for start in range(max(lo - m + 1, 0), hi - m + 2, max(1, m // 3)):
+            rows = _call(q_hist, k_hist, v_hist, start, m, seed=7 * start + m, **kw)
+            for r in range(m):
+                t = start + r
+                if t in decode:
+                    assert np.array_equal(bits(rows[r]), bits(decode[t])), f"M={m} start={start} row {r} (t={t})"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matches_reference(dtype):
+    q_hist, k_hist, v_hist = _history(dtype, seed=3)
+    tol = 2e-5 if dtype == jnp.float32 else 2e-2
+    reference = jax.jit(functools.partial(reference_attention, scale=SCALE))
+    for m, start in [(1, 0), (16, 0), (5, 63), (16, 500), (1, 511), (5, 512), (16, S - ROW_TILE)]:
+        k = _with_stale(k_hist, start, ROW_TILE, seed=start)
+        v = _with_stale(v_hist, start, ROW_TILE, seed=start + 1)
+        q = q_hist[start : start + m]
+        out = attention_kernel.attention(q, k, v, jnp.int32(start), scale=SCALE, interpret=True)
+        ref = reference(q, k, v, jnp.int32(start))
+        assert out.shape == (m, HQ, D) and out.dtype == dtype
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rows_exact_across_m_at_split_boundary(dtype):
+    # positions 505..519 cross the split boundary 511|512 (also a block boundary) with every M in 1..16.
+    _check_rows_exact(dtype, list(range(505, 520)), range(1, ROW_TILE + 1))
+
+
+@pytest.mark.parametrize("fold_heads", [True, False])
+def test_rows_exact_small_partition(fold_heads):
+    # blocks of 16 and splits of 32: positions 26..70 cross 2 split and 5 block boundaries (uneven S // split too);
+    # both row-tile layouts (all heads in one dot, one dot per head), 3 query heads per KV head (padded to 4).
+    _check_rows_exact(
+        jnp.float32,
+        list(range(26, 71)),
+        [1, 2, 7, 16],
+        s_len=272,
+        hq=6,
+        block_k=16,
+        split=32,
+        fold_heads=fold_heads,
+    )
+    q_hist, k_hist, v_hist = _history(jnp.float32, s_len=272, hq=6)
+    q, start = q_hist[40:56], jnp.int32(40)
+    out = attention_kernel.attention(
+        q, k_hist, v_hist, start, scale=SCALE, interpret=True, block_k=16, split=32, fold_heads=fold_heads
+    )
+    ref = reference_attention(q, k_hist, v_hist, start, scale=SCALE)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+
+def test_rows_exact_under_jit():
+    """Inside jit (as the model calls it) the pad and slice around the kernel must not change row bits."""
+    q_hist, k_hist, v_hist = _history(jnp.bfloat16, seed=5)
+    t0 = 509
+    k = _with_stale(k_hist, t0 + ROW_TILE, 0, seed=9)  # one cache for all calls: true rows up to t0 + 15
+    v = _with_stale(v_hist, t0 + ROW_TILE, 0, seed=10)
+    run = jax.jit(functools.partial(attention_kernel.attention, scale=SCALE, interpret=True))
+    decode = {t0 + r: np.asarray(run(q_hist[t0 + r : t0 + r + 1], k, v, jnp.int32(t0 + r)))[0] for r in range(16)}
+    for m in (3, 16):
+        rows = np.asarray(run(q_hist[t0 : t0 + m], k, v, jnp.int32(t0)))
+        for r in range(m):
+            assert np.array_equal(bits(rows[r]), bits(decode[t0 + r])), f"M={m} row {r}"
+
+
+def test_blocks_past_the_tile_are_never_read():
+    """NaN in every block after the one holding start + 15 leaves the output finite and unchanged."""
+    q_hist, k_hist, v_hist = _history(jnp.float32, seed=7)
+    start = 600  # tile covers 600..615, inside block 576..639; blocks from 640 on are never read
+    poison = jnp.arange(S)[:, None, None] >= 640
+    q = q_hist[start : start + 4]
+    clean = attention_kernel.attention(q, k_hist, v_hist, jnp.int32(start), scale=SCALE, interpret=True)
+    k_bad, v_bad = jnp.where(poison, jnp.nan, k_hist), jnp.where(poison, jnp.nan, v_hist)
+    dirty = attention_kernel.attention(q, k_bad, v_bad, jnp.int32(start), scale=SCALE, interpret=True)
+    assert np.array_equal(bits(clean), bits(dirty))
+
+
+def test_dispatch_uses_kernel_in_interpret_backend():
+    q_hist, k_hist, v_hist = _history(jnp.float32, seed=11)
+    q = q_hist[100:108]
+    direct = attention_kernel.attention(q, k_hist, v_hist, jnp.int32(100), scale=SCALE, interpret=True)
+    with use_backend("interpret"):
+        routed = dispatch_attention(q, k_hist, v_hist, jnp.int32(100), scale=SCALE)
+    assert np.array_equal(bits(direct), bits(routed))
+
+
+def test_lowers_for_gpu():
+    """The compiled (Triton) path lowers for CUDA on a CPU-only machine: both kernels become Triton calls."""
+    shapes = [((16, 40, 128), jnp.bfloat16), ((2048, 8, 128), jnp.bfloat16), ((2048, 8, 128), jnp.bfloat16)]
+    args = [jax.ShapeDtypeStruct(s, t) for s, t in shapes] + [jax.ShapeDtypeStruct((), jnp.int32)]
+    fn = jax.jit(functools.partial(attention_kernel.attention, scale=128**-0.5, interpret=False))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("triton") >= 2
+
+
+@pytest.mark.parametrize(
+    "q_shape, cache_shape, dtype, match",
+    [
+        ((17, 8, 64), (1024, 2, 64), jnp.float32, "query rows"),
+        ((4, 6, 64), (1024, 4, 64), jnp.float32, "heads"),
+        ((4, 8, 32), (1024, 2, 64), jnp.float32, "head_dim"),
+        ((4, 8, 64), (1000, 2, 64), jnp.float32, "cache length"),
+        ((4, 8, 64), (1024, 2, 64), jnp.float16, "dtype"),
+        ((4, 8, 48), (1024, 2, 48), jnp.float32, "powers of 2"),
+    ],
+)
+def test_rejects_bad_input(q_shape, cache_shape, dtype, match):
+    q = jnp.zeros(q_shape, dtype)
+    cache = jnp.zeros(cache_shape, dtype)
+    with pytest.raises(ValueError, match=match):
+        attention_kernel.attention(q, cache, cache, jnp.int32(0), scale=1.0, interpret=True)

@@ -1,0 +1,139 @@
+"""`jspec bench --quick` (CPU, tiny shapes): the JSON carries every figure, the plots and README table are drawn from
+it, the budget skips sections with a reason, and a broken speculative path fails the bench (exit 1)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jspec import bench, cli
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    rc = bench.main(["--quick", "--peer-hf", "--out", str(out / "r.json"), "--plots", str(out / "plots")])
+    return rc, json.loads((out / "r.json").read_text()), out
+
+
+def test_quick_run_passes_and_records_the_run(quick):
+    rc, data, _ = quick
+    assert rc == 0 and data["ok"]
+    meta = data["meta"]
+    assert meta["mode"] == "quick" and meta["jax"] == jax.__version__ and meta["kernel_backend"] == "reference"
+    assert meta["commit"] and meta["device"] and meta["elapsed_s"] > 0
+    assert {name: s["status"] for name, s in data["sections"].items()} == dict.fromkeys(bench.SECTIONS, "done")
+    assert data["identity"]["ok"] and data["identity"]["checks"] > 10 and not data["identity"]["failures"]
+    roof = data["sections"]["roofline"]
+    assert roof["roofline_Bps"] == max(roof["xla_sum_Bps"], roof["torch_sum_Bps"]) > 0
+
+
+def test_quick_step_costs(quick):
+    _, data, _ = quick
+    models = {**data["sections"]["steps"]["models"], **data["sections"]["other_steps"]["models"]}
+    assert set(models) == {"llama-3-8b", "glm-4-9b"}
+    for m in models.values():
+        decode = m["decode"]
+        assert decode["time_s"] > 0 and m["compiles_during_timing"] == 0 and m["num_compiles"] >= 2
+        assert decode["bytes"]["total"] == decode["bytes"]["weights"] + decode["bytes"]["cache"]
+        assert decode["bytes"]["weights"] > 0 < decode["bytes"]["cache"]
+        assert decode["roofline_fraction"] == pytest.approx(
+            decode["achieved_Bps"] / data["sections"]["roofline"]["roofline_Bps"]
+        )
+        v = m["verify"]["3"]
+        assert v["bitwise_equal_decode"] and v["mismatch_rows"] == [] and v["argmax_equal_rows"] == 4
+        assert v["ratio_vs_decode"] == pytest.approx(v["time_s"] / decode["time_s"]) == v["break_even_mean_accepted"]
+
+
+def test_quick_end_to_end(quick):
+    _, data, _ = quick
+    e2e = data["sections"]["e2e"]
+    assert e2e["compiles_after_warmup"] == 0 and e2e["greedy_distinct_fraction"] == 1.0
+    assert e2e["num_compiles"] == {"greedy/host": 2, "lookup+gate/host": 3, "greedy/device": 1, "lookup/device": 1}
+    variants = e2e["variants"]
+    assert list(variants) == ["filler", "insert1", "insert3", "full"]
+    for v in variants.values():
+        assert v["prompt_len"] == e2e["prompt_len"] == 64  # pad + P + G' + P: one length, one prefill executable
+        assert v["greedy_repeats_echo"] == 1.0  # the Markov model continues the echo, as designed
+        for label, c in v["configs"].items():
+            assert c["identical_to_greedy"] and c["tok_s"] > 0
+            assert c["decode_tok_s"] is None or c["decode_tok_s"] > 0  # None: prefill >= wall (CPU timing noise)
+            assert "speedup_vs_greedy" not in c if label.startswith("greedy") else c["mean_accepted"] >= 0
+    # The echo pattern sets the acceptance: every draft misses with period 1, ~3 tokens per verify with period 3.
+    lookup = {name: v["configs"]["lookup/device"] for name, v in variants.items()}
+    assert lookup["insert1"]["mean_accepted"] == 1.0 and lookup["insert1"]["verify_steps"] > 0
+    assert 2.5 <= lookup["insert3"]["mean_accepted"] <= 3.5
+    assert lookup["full"]["mean_accepted"] > 6
+    assert variants["insert1"]["configs"]["lookup+gate/host"]["verify_steps"] == 0  # the gate never opens
+
+
+def test_quick_peer_targets_plots_and_table(quick, capsys):
+    _, data, out = quick
+    peer = data["sections"]["peer"]
+    assert set(peer["variants"]) == {"as-initialized/full", "full", "insert1"}
+    for v in peer["variants"].values():
+        assert v["greedy_tok_s"] > 0 and v["lookup_tok_s"] > 0 and isinstance(v["lookup_equals_greedy"], bool)
+    targets = {t["name"]: t for t in data["targets"]}
+    assert len(targets) == 9 and all(t["met"] in (True, False, None) for t in targets.values())
+    assert targets["zero recompiles after warm-up (e2e engines)"]["met"] is True
+    measured = [t for t in targets.values() if t["met"] is not None]
+    assert all(isinstance(t["value"], float | int) for t in measured)
+    assert sorted(data["plots"]) == sorted(str(out / "plots" / f) for f in ("roofline.png", "speedup.png"))
+    assert all((out / "plots" / f).stat().st_size > 1000 for f in ("roofline.png", "speedup.png"))
+    assert bench.main(["--readme-table", str(out / "r.json")]) == 0
+    table = capsys.readouterr().out
+    for text in (
+        "QUICK MODE",
+        "**Step cost**",
+        "| llama-3-8b |",
+        "| glm-4-9b |",
+        "**End to end**",
+        "| insert3 |",
+        "**Peer**",
+        "**Targets**",
+        "gpt-fast",
+        "Identity: all",
+    ):
+        assert text in table
+
+
+def test_budget_skips_sections_with_the_reason(tmp_path):
+    assert cli.main(["bench", "--quick", "--budget-s", "0", "--out", str(tmp_path / "r.json")]) == 0  # via the CLI
+    data = json.loads((tmp_path / "r.json").read_text())
+    for name, sec in data["sections"].items():
+        assert sec["status"] == "skipped"
+        assert sec["reason"].startswith("budget:") or name == "peer" and "--peer-hf" in sec["reason"]
+    assert all(t["met"] is None for t in data["targets"])
+
+
+def test_a_broken_speculative_path_fails_the_bench(tmp_path, monkeypatch):
+    """Accepting every draft token (wrong tokens in the output) and perturbing verify's rows 1.. must both be caught."""
+
+    def accept_everything(draft, logits, n_valid=None):
+        n = draft.shape[0] if n_valid is None else n_valid
+        return jnp.asarray(n, jnp.int32), jnp.argmax(logits[n]).astype(jnp.int32)
+
+    def perturbed_verify(params, cfg, state, draft):
+        state, logits = bench_verify(params, cfg, state, draft)
+        return state, logits.at[1:].multiply(1.0 + 2.0**-20)
+
+    bench_verify = bench.verify_step
+    monkeypatch.setattr(
+        sys.modules["jspec.generate"], "greedy_accept", accept_everything
+    )  # the module, not the function
+    monkeypatch.setattr(bench, "verify_step", perturbed_verify)
+    args = ["--quick", "--sections", "steps,e2e", "--models", "llama-3-8b", "--e2e-configs", "greedy/host,lookup/host"]
+    assert bench.main([*args, "--out", str(tmp_path / "r.json")]) == 1
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert not data["ok"] and not data["identity"]["ok"]
+    verify = data["sections"]["steps"]["models"]["llama-3-8b"]["verify"]["3"]
+    assert not verify["bitwise_equal_decode"] and verify["mismatch_rows"] == [1, 2, 3]
+    insert1 = data["sections"]["e2e"]["variants"]["insert1"]["configs"]["lookup/host"]
+    assert not insert1["identical_to_greedy"]
+    failures = data["identity"]["failures"]
+    assert any(f.startswith("steps/llama-3-8b") for f in failures)
+    assert any(f.startswith("e2e/insert1/lookup/host") for f in failures)

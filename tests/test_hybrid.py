@@ -1,0 +1,323 @@
+"""Hybrid Gated-DeltaNet families (qwen3_next, qwen3_5): HuggingFace oracle, step-level bit exactness of verify vs
+decode (recurrent rollback by state selection), speculative == greedy end to end, import, MoE refusal."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import checkpoints
+import jspec
+from checkpoints.hf_hybrid import qwen3_next_in_proj_order
+from jspec.config import ModelConfig, RopeConfig, UnsupportedModelError
+from jspec.models import hybrid
+from jspec.state import init_state
+from pallas_kernels import ROW_TILE, Int4Weight, quantize, use_backend
+from pallas_kernels.recurrent import chunk_gated_delta, gdn_rows, gdn_step, l2_normalize
+from tests.conftest import TINY_HF_CONFIGS
+from tests.tiny import ScriptDrafter, bits
+
+MAX_LEN = 96
+VOCAB = 96
+HF_TOKENS = 80  # > 64: the chunked prefill crosses a chunk boundary
+
+
+def tiny_hybrid_config(family: str = "qwen3_next", **overrides) -> ModelConfig:
+    """2 layers (Gated DeltaNet, gated attention), hidden 64, linear heads 2 key / 8 value of 16."""
+    base = dict(
+        family=family,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope=RopeConfig(partial_rotary_factor=0.25),
+        layer_types=("linear_attention", "full_attention"),
+        attn_output_gate=True,
+        norm_plus_one=True,
+        linear_num_key_heads=2,
+        linear_num_value_heads=8,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+    )
+    return ModelConfig(**{**base, **overrides})
+
+
+def quantize_linears(params: dict) -> dict:
+    layers = [{n: quantize(w) if n in hybrid.LINEAR_WEIGHTS else w for n, w in p.items()} for p in params["layers"]]
+    return {**params, "layers": layers}
+
+
+@functools.cache
+def tiny_params(dtype: str = "float32", int4: bool = False) -> dict:
+    params = hybrid.init_params(tiny_hybrid_config(), jax.random.PRNGKey(0), jnp.dtype(dtype), scale=0.1)
+    return quantize_linears(params) if int4 else params
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HuggingFace oracle.
+
+
+@pytest.mark.parametrize("variant", ["qwen3_next", "qwen3_5"])
+def test_hf_oracle_logits_and_greedy(variant, tiny_hf_model):
+    import torch
+
+    model, path = tiny_hf_model(variant)
+    params, cfg = checkpoints.load_hf(path)
+    assert cfg.family == variant and cfg.layer_types == tuple(model.config.layer_types)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, HF_TOKENS)
+    with torch.no_grad():
+        expected = model(torch.tensor(ids[None])).logits[0].numpy()
+    logits = np.asarray(jspec.forward(params, cfg, ids))
+    assert np.max(np.abs(logits - expected)) <= 1e-4 * np.max(np.abs(expected))
+
+    engine = jspec.Engine(params, cfg, max_len=128, k=3)
+    # Prefill over two chunks (bucket 128); for qwen3_next also a prompt shorter than the conv window.
+    for prompt in (ids[:75], ids[:2]) if variant == "qwen3_next" else (ids[:75],):
+        ids_t = torch.tensor(prompt[None])
+        with torch.no_grad():  # an explicit mask: token 0 in a prompt is not padding
+            out = model.generate(
+                ids_t, attention_mask=torch.ones_like(ids_t), max_new_tokens=32, min_new_tokens=32, do_sample=False
+            )
+        assert engine.generate(prompt.tolist(), 32).tokens == out[0, prompt.size :].tolist()
+
+
+def test_hf_import_layouts(tiny_hf_model):
+    """qwen3_next's grouped projections land in the [q | k | v | z | b | a] layout; int4 reorders output channels."""
+    from safetensors.numpy import load_file
+
+    _, path = tiny_hf_model("qwen3_next")
+    t = load_file(str(path / "model.safetensors"))
+    params, cfg = checkpoints.load_hf(path)
+    la = "model.layers.0.linear_attn"
+    fused = np.concatenate([t[f"{la}.in_proj_qkvz.weight"], t[f"{la}.in_proj_ba.weight"]]).T
+    order = qwen3_next_in_proj_order(cfg)
+    assert sorted(order.tolist()) == list(range(fused.shape[1]))
+    p = params["layers"][0]
+    np.testing.assert_array_equal(p["in_proj"], fused[:, order])
+    # Head 0 of the first key group: q rows 0..15 of in_proj_qkvz, then k rows 16..31, then the group's v / z.
+    np.testing.assert_array_equal(p["in_proj"][:, :16], t[f"{la}.in_proj_qkvz.weight"][:16].T)
+    np.testing.assert_array_equal(p["conv"], t[f"{la}.conv1d.weight"][:, 0, :].T)
+    assert p["A_log"].dtype == jnp.float32 and p["dt_bias"].dtype == jnp.float32
+
+    q_params, _ = checkpoints.load_hf(path, dtype="bfloat16", quantize="int4")
+    q = q_params["layers"][0]
+    assert all(isinstance(q[n], Int4Weight) for n in ("in_proj", "out", "gate_up", "down"))
+    assert q["A_log"].dtype == jnp.float32 and q["conv"].dtype == jnp.bfloat16
+    direct = quantize(jnp.asarray(p["in_proj"], jnp.float32))
+    assert np.array_equal(q["in_proj"].packed, direct.packed) and np.array_equal(q["in_proj"].scales, direct.scales)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config: MoE refusal, dense Qwen3-Next configs.
+
+
+def _hf_dict(variant: str, **changes) -> dict:
+    model_type, kwargs = TINY_HF_CONFIGS[variant]
+    return {**kwargs, "model_type": model_type, **changes}
+
+
+@pytest.mark.parametrize(
+    "changes,layer",
+    [
+        (dict(num_experts=8, mlp_only_layers=[0]), 1),
+        (dict(num_experts=8, decoder_sparse_step=2), 1),
+        (dict(num_experts=None), 0),  # absent: transformers' default is 512 experts
+    ],
+)
+def test_moe_refused_naming_the_layer(changes, layer):
+    d = _hf_dict("qwen3_next", **changes)
+    if changes.get("num_experts", 0) is None:
+        del d["num_experts"]
+    with pytest.raises(UnsupportedModelError, match=f"MoE is not supported yet: layer {layer} "):
+        ModelConfig.from_hf(d)
+
+
+def test_moe_model_type_refused():
+    with pytest.raises(UnsupportedModelError, match="MoE is not supported yet: layer 0"):
+        ModelConfig.from_hf({"model_type": "qwen3_5_moe", "text_config": {}})
+
+
+def test_dense_configs_load():
+    cfg = ModelConfig.from_hf(_hf_dict("qwen3_next", num_experts=8, mlp_only_layers=[0, 1, 2, 3]))
+    assert cfg.layer_types == ("linear_attention", "full_attention") * 2
+    assert cfg.rope.partial_rotary_factor == 0.25 and cfg.norm_plus_one and cfg.attn_output_gate
+    cfg = ModelConfig.from_hf({"model_type": "qwen3_5", "text_config": _hf_dict("qwen3_5")})
+    assert cfg.family == "qwen3_5" and cfg.attention_bias and cfg.o_bias
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Step level: verify row i == decode at position p + i, bit for bit; rollback selects a candidate state.
+
+
+@functools.cache
+def _steps(dtype: str, int4: bool):
+    cfg = tiny_hybrid_config()
+    params = tiny_params(dtype, int4)
+    prompt = np.asarray([5, 17, 3, 42, 8, 8, 9, 1, 77, 30, 2, 11, 4], np.int32)
+    padded = np.zeros((16,), np.int32)
+    padded[: prompt.size] = prompt
+    state = init_state(cfg, MAX_LEN, jnp.dtype(dtype))
+    state, _, _ = jax.jit(jspec.prefill, static_argnums=1)(params, cfg, state, padded, prompt.size)
+
+    def decode_and_force(p, s, token):
+        s, logits = jspec.decode_step(p, cfg, s)
+        return jspec.commit(s, jnp.int32(0), token), logits
+
+    verify = jax.jit(lambda p, s, d: jspec.verify_step(p, cfg, s, d))
+    return cfg, params, state, jax.jit(decode_and_force), verify
+
+
+@pytest.mark.parametrize("dtype,int4", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
+def test_verify_rows_equal_decode(dtype, int4):
+    cfg, params, state, decode, verify = _steps(dtype, int4)
+    draft = np.random.default_rng(0).integers(0, cfg.vocab_size, ROW_TILE).astype(np.int32)
+    decoded, s = [], state
+    for i in range(ROW_TILE):
+        s, logits = decode(params, s, draft[i])
+        decoded.append(np.asarray(logits))
+    for k in (1, 2, 3, 7, 15) if (dtype, int4) == ("float32", False) else (1, 3, 15):
+        _, logits = verify(params, state, draft[:k])
+        for i in range(k + 1):
+            assert np.array_equal(bits(logits[i]), bits(decoded[i])), f"{dtype} int4={int4} k={k} row {i}"
+
+
+def test_commit_selects_the_post_state():
+    """After verify + commit(n), the next decode equals decoding the accepted tokens one by one (same bits, state
+    and conv window included): the rollback is a selection of candidate slot n."""
+    cfg, params, state, decode, verify = _steps("float32", False)
+    draft = np.asarray([4, 9, 16, 25, 36, 49, 64], np.int32)
+    after_verify, _ = verify(params, state, draft)
+    for n in (0, 2, 6):
+        s = state
+        for i in range(n + 1):
+            s, _ = decode(params, s, draft[i] if i < n else 1)
+        rolled = jspec.commit(after_verify, jnp.int32(n), jnp.int32(1))
+        assert int(rolled.slot) == n and int(rolled.position) == int(s.position)
+        for c_ref, c_rolled in zip(s.cache, rolled.cache, strict=True):
+            if isinstance(c_ref, dict):
+                for name in ("ssm", "conv"):
+                    assert np.array_equal(bits(c_ref[name][0]), bits(c_rolled[name][n]))
+        _, expect = decode(params, s, 0)
+        _, got = decode(params, rolled, 0)
+        assert np.array_equal(bits(got), bits(expect))
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_gdn_rows_row_invariant(backend):
+    """One call over 16 rows == 16 one-row calls chained through slot 0, bit for bit; kernel == reference."""
+    rng = np.random.default_rng(1)
+    r, h, dk, dv = ROW_TILE, 4, 16, 32
+    states = jnp.asarray(rng.normal(size=(r, h, dk, dv)), jnp.float32)
+    q = l2_normalize(jnp.asarray(rng.normal(size=(r, h, dk)), jnp.float32)) * dk**-0.5
+    k = l2_normalize(jnp.asarray(rng.normal(size=(r, h, dk)), jnp.float32))
+    v = jnp.asarray(rng.normal(size=(r, h, dv)), jnp.float32)
+    g = -jnp.asarray(rng.uniform(0, 0.5, (r, h)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, (r, h)), jnp.float32)
+    with use_backend(backend):  # the backend is read at trace time: a fresh jit per backend
+        run = jax.jit(lambda *args: gdn_rows(*args[:7], args[7]), static_argnums=7)
+        all_states, all_out = run(states, 5, q, k, v, g, beta, r)
+        s, slot = states, 5
+        for i in range(r):
+            shift = [jnp.roll(x, -i, axis=0) for x in (q, k, v, g, beta)]
+            s, out = run(s, slot, *shift, 1)
+            slot = 0
+            assert np.array_equal(bits(out[0]), bits(all_out[i])) and not np.any(np.asarray(out[1:]))
+            assert np.array_equal(bits(s[0]), bits(all_states[i]))
+    with use_backend("reference"):
+        ref_states, ref_out = jax.jit(lambda *args: gdn_rows(*args, r))(states, 5, q, k, v, g, beta)
+    np.testing.assert_allclose(all_out, ref_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(all_states, ref_states, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_prefill_equals_the_recurrence():
+    """The chunked algorithm over 150 positions (three chunks) == the step applied position by position."""
+    rng = np.random.default_rng(3)
+    t, h, dk, dv = 150, 3, 16, 8
+    q = l2_normalize(jnp.asarray(rng.normal(size=(t, h, dk)), jnp.float32)) * dk**-0.5
+    k = l2_normalize(jnp.asarray(rng.normal(size=(t, h, dk)), jnp.float32))
+    v = jnp.asarray(rng.normal(size=(t, h, dv)), jnp.float32)
+    g = -jnp.asarray(rng.uniform(0, 0.1, (t, h)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, (t, h)), jnp.float32)
+    out, final = jax.jit(chunk_gated_delta)(q, k, v, g, beta)
+
+    def step(state, xs):
+        return jax.vmap(gdn_step)(state, *xs)
+
+    expected_final, expected = jax.lax.scan(step, jnp.zeros((h, dk, dv), jnp.float32), (q, k, v, g, beta))
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(final, expected_final, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_padding_leaves_the_state_alone():
+    """A prompt padded to a longer bucket leaves the same recurrent state and conv window in slot 0."""
+    cfg, params = tiny_hybrid_config(), tiny_params()
+    prompt = np.asarray([5, 17, 3, 42, 8, 8, 9, 1, 77, 30, 2, 11, 4], np.int32)
+    fill = jax.jit(jspec.prefill, static_argnums=1)
+    results = []
+    for bucket in (13, 64):
+        padded = np.full((bucket,), 7, np.int32)
+        padded[: prompt.size] = prompt
+        state, logits, _ = fill(params, cfg, init_state(cfg, MAX_LEN, jnp.float32), padded, prompt.size)
+        results.append((state, logits))
+    (a, la), (b, lb) = results
+    np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
+    for ca, cb in zip(a.cache, b.cache, strict=True):
+        if isinstance(ca, dict):
+            np.testing.assert_allclose(ca["ssm"][0], cb["ssm"][0], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(ca["conv"][0], cb["conv"][0], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# End to end: speculative == greedy.
+
+
+@functools.cache
+def engine(k: int) -> jspec.Engine:
+    return jspec.Engine(tiny_params(), tiny_hybrid_config(), max_len=MAX_LEN, k=k)
+
+
+@functools.cache
+def greedy(prompt: tuple[int, ...], max_new: int) -> list[int]:
+    return engine(3).generate(list(prompt), max_new).tokens
+
+
+RANDOM_PROMPT = tuple(int(t) for t in np.random.default_rng(2).integers(0, VOCAB, 20))
+REPETITIVE_PROMPT = (11, 12, 13, 14, 15, 16) * 4
+
+
+@pytest.mark.parametrize("prompt", [RANDOM_PROMPT, REPETITIVE_PROMPT], ids=["random", "repetitive"])
+@pytest.mark.parametrize("gated,on_device", [(False, False), (True, False), (True, True)])
+def test_prompt_lookup_equals_greedy(prompt, gated, on_device):
+    gate = jspec.HitDensityGate(window=4, min_hits=1) if gated else None
+    result = engine(3).generate(list(prompt), 40, drafter=jspec.PromptLookup(), gate=gate, on_device=on_device)
+    assert result.tokens == greedy(prompt, 40)
+    assert result.stats.exact
+    if prompt == REPETITIVE_PROMPT:
+        assert result.stats.verify_steps > 0 and result.stats.accepted > 0
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_oracle_and_wrong_drafters(on_device):
+    k, rounds = 3, 5
+    max_new = 1 + rounds * (k + 1)
+    prompt = list(RANDOM_PROMPT)
+    expected = greedy(RANDOM_PROMPT, max_new)
+    oracle = ScriptDrafter(tuple(prompt + expected), vocab=VOCAB)
+    result = engine(k).generate(prompt, max_new, drafter=oracle, on_device=on_device)
+    assert result.tokens == expected
+    assert result.stats.verify_steps == rounds and result.stats.mean_accepted == k + 1
+    if not on_device:
+        wrong = dataclasses.replace(oracle, offset=1)
+        result = engine(k).generate(prompt, max_new, drafter=wrong)
+        assert result.tokens == expected
+        assert result.stats.mean_accepted == 1.0 and result.stats.accepted == 0

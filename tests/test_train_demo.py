@@ -1,0 +1,114 @@
+"""The demo-model trainer end to end on a tiny CPU run: corpus, tokenizer, training (loss decreases), int4
+quantization, checkpoint save/load round trip, samples and model card."""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+
+import jax
+import numpy as np
+import pytest
+
+import checkpoints
+from checkpoints import train_demo
+from jspec.models import dense
+from pallas_kernels import Int4Weight
+
+STDLIB_MODULES = ("argparse", "json/decoder", "json/encoder", "textwrap", "string", "fractions", "heapq", "bisect")
+
+
+@pytest.fixture(scope="module")
+def corpus_root(tmp_path_factory):
+    """A directory with a few standard-library modules (the trainer's corpus)."""
+    root = tmp_path_factory.mktemp("corpus")
+    stdlib = sysconfig.get_paths()["stdlib"]
+    for name in STDLIB_MODULES:
+        with open(os.path.join(stdlib, name + ".py"), encoding="utf-8") as f:
+            text = f.read()
+        (root / (name.replace("/", "_") + ".py")).write_text(text[:20000], encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(corpus_root, tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo_out")
+    argv = ["--out", str(out), "--minutes", "1", "--size", "tiny", "--roots", str(corpus_root)]
+    argv += ["--vocab-size", "400", "--batch", "4", "--seq-len", "32", "--lr", "5e-3", "--warmup", "5"]
+    argv += ["--max-steps", "60", "--eval-windows", "4", "--eval-batch", "2", "--sample-tokens", "8"]
+    argv += ["--heldout-permille", "300"]
+    metrics = train_demo.run(train_demo.parse_args(argv))
+    return out, metrics
+
+
+def test_loss_decreases(trained):
+    _, metrics = trained
+    curve = metrics["training"]["curve"]
+    assert metrics["training"]["steps"] == 60
+    first, last = curve[0], curve[-1]
+    assert last[1] < first[1] - 0.5, curve  # next-token loss
+    assert last[2] < first[2] - 0.5, curve  # MTP loss
+    assert np.isfinite(metrics["heldout"]["int4"]["loss"])
+    assert 0.0 <= metrics["int4_agreement"]["top1"] <= 1.0
+
+
+def test_checkpoint_round_trip(trained):
+    out, metrics = trained
+    ckpt = os.path.join(out, "checkpoint")
+    params, cfg = checkpoints.load(ckpt)
+    assert cfg.to_dict() == metrics["config"]
+    assert cfg.num_mtp_layers == 1 and len(params["mtp"]) == 1
+    for name in ("qkv", "o", "gate_up", "down"):
+        assert isinstance(params["layers"][0][name], Int4Weight)
+        assert isinstance(params["mtp"][0]["layer"][name], Int4Weight)
+    assert isinstance(params["lm_head"], Int4Weight) and isinstance(params["mtp"][0]["fc"], Int4Weight)
+    # Saving what was loaded and loading it again is bit-identical.
+    again_dir = os.path.join(out, "again")
+    checkpoints.save(again_dir, params, cfg)
+    again, cfg2 = checkpoints.load(again_dir)
+    assert cfg2 == cfg
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again), strict=True):
+        assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    # The greedy samples in metrics.json are what jspec generates from the saved checkpoint.
+    tok = train_demo.load_tokenizer(os.path.join(ckpt, "tokenizer.json"))
+    sample = metrics["samples"]["int4"][0]
+    assert train_demo.greedy_samples(params, cfg, tok, [sample["prompt"]], 8)[0]["tokens"] == sample["tokens"]
+    card = open(os.path.join(ckpt, "MODEL_CARD.md")).read()
+    assert "held-out" in card and sample["prompt"] in card
+    assert json.load(open(os.path.join(out, "metrics.json")))["training"]["steps"] == 60
+
+
+def test_tokenizer_round_trip(trained):
+    out, _ = trained
+    tok = train_demo.load_tokenizer(os.path.join(out, "checkpoint", "tokenizer.json"))
+    assert tok.get_vocab_size() == 400 and tok.token_to_id(train_demo.EOS) == 0
+    text = 'def f(x):\n\treturn x + 1  # héllo → 世界 🙂\n\n    """doc"""\r\n'
+    assert tok.decode(tok.encode(text).ids) == text
+    stream = train_demo.encode_texts(tok, ["a = 1\n", "b = 2\n"])
+    assert stream.dtype == np.uint16 and (stream == 0).sum() == 2 and stream[-1] == 0
+
+
+def test_train_params_layout():
+    cfg = train_demo.demo_config(512, "tiny")
+    params = train_demo.init_train_params(cfg, jax.random.PRNGKey(0))
+    main = {k: v for k, v in params.items() if k != "mtp"}
+    assert jax.tree.structure(main) == jax.tree.structure(dense.init_params(cfg, jax.random.PRNGKey(0)))
+    layer = params["layers"][0]
+    assert np.all(np.asarray(layer["input_norm"]) == 1) and np.all(np.asarray(layer["qkv_bias"]) == 0)
+    assert abs(float(np.std(np.asarray(layer["qkv"]))) - 0.02) < 0.002
+    assert train_demo.count_params(params) > train_demo.count_params(main)
+
+
+def test_gather_corpus_dedupes_and_splits(tmp_path):
+    distinct = [f"x = {i}\n" * 30 for i in range(10)]
+    for i, text in enumerate(distinct):
+        (tmp_path / f"m{i}.py").write_text(text)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "copy.py").write_text(distinct[0])  # same content: read once
+    (tmp_path / "data.py").write_text("z = [" + "1, " * 1000 + "]\n")  # generated-looking: skipped
+    corpus = train_demo.gather_corpus([str(tmp_path)], 10**6, heldout_permille=500, seed=1)
+    assert sorted(corpus.train + corpus.heldout) == sorted(distinct)
+    assert corpus.train and corpus.heldout and corpus.files_seen == 12
+    with pytest.raises(FileNotFoundError, match="no Python files"):
+        train_demo.gather_corpus([str(tmp_path / "missing")], 10**6)
