@@ -158,6 +158,7 @@ def run_prompt(engines: dict, configs: dict, ids: list[int], max_new: int, on_de
             mean_accepted=s.mean_accepted,
             acceptance_rate=s.acceptance_rate,
             per_position_acceptance=s.per_position_acceptance,
+            per_position_reached=s.per_position_reached,
             verify_steps=s.verify_steps,
             decode_steps=s.decode_steps,
             gate_engaged=s.gate_engaged,
@@ -180,8 +181,22 @@ def run_prompt(engines: dict, configs: dict, ids: list[int], max_new: int, on_de
     return rows
 
 
+def pooled_acceptance(rows: list[dict], i: int) -> float | None:
+    """Acceptance at draft position i over all rows' verify steps that reached it (None if none did)."""
+    reached = sum(r["per_position_reached"][i] for r in rows)
+    accepted = sum(
+        r["per_position_acceptance"][i] * r["per_position_reached"][i] for r in rows if r["per_position_reached"][i]
+    )
+    return accepted / reached if reached else None
+
+
+def rounded(values: list[float | None]) -> list[float | None]:
+    return [None if a is None else round(a, 2) for a in values]
+
+
 def summarize(runs: list[dict]) -> dict:
-    """category -> drafter -> means over prompts (per-position acceptance: mean over prompts that reached it)."""
+    """category -> drafter -> means over prompts (per-position acceptance pooled over the verify steps that
+    reached each position; None where none did)."""
     out: dict = {}
     for cat in CATEGORIES:
         out[cat] = {}
@@ -190,10 +205,7 @@ def summarize(runs: list[dict]) -> dict:
             if not rows:
                 continue
             k = rows[0]["k"]
-            per_pos = [
-                float(np.mean([r["per_position_acceptance"][i] for r in rows if r["verify_steps"]] or [0.0]))
-                for i in range(k)
-            ]
+            per_pos = [pooled_acceptance(rows, i) for i in range(k)]
             verify = sum(r["verify_steps"] for r in rows)
             out[cat][name] = dict(
                 k=k,
@@ -271,7 +283,7 @@ def main(argv=None) -> int:
                 print(
                     f"{cat:5s} {name:18s} {row['drafter']:20s} k={row['k']} identical={row['identical']} "
                     f"mean_accepted={row['mean_accepted']:.2f} per_pos="
-                    f"{[round(a, 2) for a in row['per_position_acceptance']]} "
+                    f"{rounded(row['per_position_acceptance'])} "
                     f"tok/s={row['tokens_per_s']:.1f} (greedy {row['greedy_tokens_per_s']:.1f})",
                     flush=True,
                 )
@@ -306,7 +318,7 @@ def main(argv=None) -> int:
         for name, s in by_drafter.items():
             print(
                 f"{cat:5s} {name:20s} mean_accepted {s['mean_accepted']:.2f}  per position "
-                f"{[round(a, 2) for a in s['per_position_acceptance']]}  speedup {s['speedup']:.2f}x  "
+                f"{rounded(s['per_position_acceptance'])}  speedup {s['speedup']:.2f}x  "
                 f"identical {s['identical']}"
             )
     print(f"step cost: {result['step_cost']}")

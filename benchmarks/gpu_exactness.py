@@ -82,6 +82,8 @@ def main() -> int:
         run = dict(family=family, weights=weights, step_mismatches={str(k): v for k, v in mismatch.items()})
         run.update(step_exact=step_ok, e2e=e2e, ok=ok, seconds=time.perf_counter() - t0)
         report["runs"].append(run)
+        with open(args.out, "w") as f:  # rewritten after every model: a run cut short keeps what it measured
+            json.dump(report, f, indent=1)
         print(f"{family:6s} {weights:9s} step-exact={step_ok} e2e={ {k: v['identical'] for k, v in e2e.items()} }"
               f" {run['seconds']:.0f}s", flush=True)  # fmt: skip
     report["all_exact"] = all_ok

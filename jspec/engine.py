@@ -204,8 +204,9 @@ class Engine:
         stats.accepted = int(c.accepted)
         reached = np.asarray(c.position_reached)
         stats.per_position_acceptance = [
-            float(a) / float(r) if r else 0.0 for a, r in zip(np.asarray(c.position_accepted), reached, strict=True)
+            float(a) / float(r) if r else None for a, r in zip(np.asarray(c.position_accepted), reached, strict=True)
         ]
+        stats.per_position_reached = [int(r) for r in reached]
         stats.near_tie_rejections = int(c.near_ties)
         stats.tolerated_near_ties = int(c.tolerated)
         stats.exact = settings.tie_guard.exact or stats.tolerated_near_ties == 0

@@ -13,7 +13,8 @@ class SpecStats:
 
     mean_accepted: tokens committed per verify step, the bonus token included (1.0 = nothing accepted).
     acceptance_rate: accepted / drafted over verify steps. per_position_acceptance[i]: among verify steps whose
-    draft had a valid token i and whose tokens 0..i-1 were accepted, the fraction where token i was accepted.
+    draft had a valid token i and whose tokens 0..i-1 were accepted (per_position_reached[i] of them), the fraction
+    where token i was accepted; None where no verify step reached position i.
     near_tie_rejections: rejected draft tokens within TieGuard.eps of the row max (diagnostic).
     gate_engaged: steps on which the gate allowed a verify (None without a gate).
     exact: False only when a tolerant TieGuard accepted a non-argmax token (then output may differ from greedy).
@@ -24,7 +25,8 @@ class SpecStats:
     verify_steps: int = 0
     drafted: int = 0
     accepted: int = 0
-    per_position_acceptance: list[float] = dataclasses.field(default_factory=list)
+    per_position_acceptance: list[float | None] = dataclasses.field(default_factory=list)
+    per_position_reached: list[int] = dataclasses.field(default_factory=list)
     near_tie_rejections: int = 0
     tolerated_near_ties: int = 0
     gate_engaged: int | None = None
@@ -63,7 +65,7 @@ class SpecStats:
             f"verify {self.verify_steps} ({self.verify_time_s:.3f} s), prefill {self.prefill_time_s:.3f} s",
         ]
         if self.verify_steps:
-            per_pos = " ".join(f"{a:.2f}" for a in self.per_position_acceptance)
+            per_pos = " ".join("-" if a is None else f"{a:.2f}" for a in self.per_position_acceptance)
             lines.append(
                 f"drafted {self.drafted}, accepted {self.accepted}, mean_accepted {self.mean_accepted:.2f}, "
                 f"acceptance {self.acceptance_rate:.2f}, per position [{per_pos}]"

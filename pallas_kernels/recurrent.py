@@ -25,6 +25,10 @@ from pallas_kernels import backend as _backend
 L2_EPS = 1e-6  # as the FLA library / transformers: x * rsqrt(sum(x^2) + eps)
 CHUNK = 64  # prefill chunk length
 BLOCK_V = 32  # value columns per program of the recurrent kernel (state block [dk, BLOCK_V] float32 in registers)
+# Upper bound on one program's candidate-state block [R, dk, block_v] float32. On the H200 (jax 0.11.2, Triton) a
+# 256 KiB block (R=16, dk=128, block_v=32) failed to compile: "Shared memory size limit exceeded: requested 262144,
+# available: 232448". 64 KiB gives block_v=8 at dk=128 (unverified on the GPU: the session had no device time left).
+STATE_BLOCK_BYTES = 64 * 1024
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -112,6 +116,8 @@ def _rows_kernel(slot_ref, count_ref, s_ref, q_ref, k_ref, v_ref, g_ref, b_ref, 
 def _rows_pallas(states, slot, q, k, v, g, beta, count, *, interpret: bool):
     r, h, dk, dv = states.shape
     block_v = min(dv, BLOCK_V)
+    while block_v > 1 and r * dk * block_v * 4 > STATE_BLOCK_BYTES:
+        block_v //= 2
     if dv % block_v or dk & (dk - 1) or block_v & (block_v - 1):
         raise ValueError(f"the recurrent kernel needs power-of-2 dk and dv blocks, got dk={dk}, dv={dv}")
     scalar = pl.BlockSpec((1,), lambda *_: (0,))
