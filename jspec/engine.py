@@ -141,7 +141,8 @@ class Engine:
     ) -> GenerationResult:
         """Generate greedily (drafter=None) or speculatively; the tokens are the same either way.
 
-        max_new_tokens None: until the cache is full (max_len - len(prompt) + 1 tokens). eos_id: stop after this token (or any of these tokens).
+        max_new_tokens None: until the cache is full (max_len - len(prompt) + 1 tokens).
+        eos_id: stop after this token (or any of these tokens).
         on_device: run prefill and the whole loop as one executable instead of the host loop.
         progress: show a progress bar (host loop).
         """
