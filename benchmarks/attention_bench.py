@@ -35,6 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jspec.bench import torch_median  # noqa: E402
 from pallas_kernels import ROW_TILE, attention_kernel  # noqa: E402
 from pallas_kernels.attention import reference_attention  # noqa: E402
 
@@ -100,29 +101,11 @@ def hbm_roofline(st: Setup) -> dict:
         import torch
 
         y = torch.randn(st.roof_elems, device="cuda", dtype=torch.bfloat16)
-        out["torch_sum_gbps"] = nbytes / torch_median(lambda: y.sum(), reps=20) / 1e9
+        out["torch_sum_gbps"] = nbytes / torch_median(lambda: y.sum(), 20, warmup=3) / 1e9
         del y
         torch.cuda.empty_cache()
     out["roofline_gbps"] = max(v for k, v in out.items() if k.endswith("gbps"))
     return out
-
-
-def torch_median(fn, reps: int) -> float:
-    """Median seconds of fn() timed with CUDA events (after warm-up)."""
-    import torch
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
 
 
 def make_caches(st: Setup, s_len: int, n: int, seed: int):
@@ -196,10 +179,10 @@ def time_torch(st: Setup, caches, context: int, m: int, chain: int) -> dict:
             torch.cuda.current_stream().wait_stream(side)
             with torch.cuda.graph(graph):
                 run_chain()
-            seconds = torch_median(graph.replay, reps=20) / chain
+            seconds = torch_median(graph.replay, 20, warmup=3) / chain
             mode = "cuda_graph"
         except Exception as err:  # noqa: BLE001 - record and time eagerly instead
-            seconds = torch_median(run_chain, reps=20) / chain
+            seconds = torch_median(run_chain, 20, warmup=3) / chain
             mode = f"eager ({type(err).__name__})"
     return dict(seconds=seconds, mode=mode)
 

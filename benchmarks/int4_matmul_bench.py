@@ -34,6 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jspec.bench import torch_median  # noqa: E402
 from pallas_kernels import int4_matmul  # noqa: E402
 from pallas_kernels.int4 import BLOCK, Int4Weight, dequantize  # noqa: E402
 
@@ -96,30 +97,13 @@ def roofline(repeats: int) -> dict:
         import torch
 
         t = torch.ones(n, dtype=torch.bfloat16, device="cuda")
-        out["torch_sum_Bps"] = 2 * n / torch_time(lambda t=t: t.sum(), repeats)
+        out["torch_sum_Bps"] = 2 * n / torch_median(lambda t=t: t.sum(), repeats)
         del t
         torch.cuda.empty_cache()
     except Exception as e:  # torch is the peer, not the product: report and go on
         out["torch_error"] = repr(e)
     out["roofline_Bps"] = max(v for k, v in out.items() if k.endswith("_Bps"))
     return out
-
-
-def torch_time(fn, repeats: int) -> float:
-    """Median seconds of fn() on the GPU, by CUDA events."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return statistics.median(times)
 
 
 def random_weights(key, k: int, n: int, copies: int) -> list[Int4Weight]:
@@ -189,7 +173,7 @@ def torch_int4(x16: np.ndarray, w: Int4Weight, k: int, n: int, copies: int, repe
         with torch.cuda.graph(g):
             for wi, si in zip(weights, szs, strict=True):
                 torch.ops.aten._weight_int4pack_mm(xm, wi, 32, si)
-        out[f"m{m}_s"] = torch_time(g.replay, repeats) / copies
+        out[f"m{m}_s"] = torch_median(g.replay, repeats) / copies
     del weights, szs, g
     torch.cuda.empty_cache()
     return out

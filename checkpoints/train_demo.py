@@ -37,6 +37,7 @@ from jspec.config import ModelConfig, RopeConfig
 from jspec.models import dense
 from jspec.models.layers import logits as logits_from_hidden
 from jspec.models.mtp import init_mtp_params, mtp_forward
+from jspec.stats import common_prefix
 from pallas_kernels import quantize
 
 EOS = "<|endoftext|>"
@@ -365,15 +366,6 @@ def greedy_samples(params: dict, cfg: ModelConfig, tok, prompts, max_new: int) -
         result = engine.generate(ids, max_new, eos_id=list(cfg.eos_token_ids))
         out.append(dict(prompt=prompt, tokens=result.tokens, text=tok.decode(result.tokens)))
     return out
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def train(

@@ -59,6 +59,7 @@ from jspec.engine import Engine
 from jspec.gate import HitDensityGate
 from jspec.models import dense
 from jspec.state import init_state, physical_length
+from jspec.stats import common_prefix
 from jspec.steps import commit, decode_step, verify_step
 from pallas_kernels import ROW_TILE, Int4Weight, get_backend, quantize
 
@@ -525,7 +526,7 @@ def _torch_sum_Bps(n: int, device: str) -> float:
     import torch
 
     t = torch.ones(n, dtype=torch.bfloat16, device=device)
-    return 2 * n * BATCH / _torch_median(lambda: [t.sum() for _ in range(BATCH)], 5, device)
+    return 2 * n * BATCH / torch_median(lambda: [t.sum() for _ in range(BATCH)], 5, device)
 
 
 BATCH = 8
@@ -542,13 +543,16 @@ def _median_wall(fn: Callable, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _torch_median(fn: Callable, repeats: int, device: str) -> float:
-    """Median seconds of fn() on the torch device (CUDA events on a GPU), after one warm-up call."""
+def torch_median(fn: Callable, repeats: int, device: str = "cuda", warmup: int = 1) -> float:
+    """Median seconds of fn() on the torch device (CUDA events on a GPU), after `warmup` calls.
+
+    The one torch timer of the benchmarks (benchmarks/*.py import it)."""
     import torch
 
     if device != "cuda":
         return _median_wall(fn, repeats)
-    fn()
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
@@ -911,7 +915,7 @@ def _run_variant(ctx: Context, engines: dict, kwargs: dict, vname: str, period, 
         "prefill_bucket": engines["greedy/host"].bucket(len(prompt)),
         "insert_period": period,
         "echo_fraction": 0.0 if vname == "filler" else period / (period + 1) if period else 1.0,
-        "greedy_repeats_echo": _common_prefix(greedy, g) / len(g),  # 1.0: greedy continued with G, as designed
+        "greedy_repeats_echo": common_prefix(greedy, g) / len(g),  # 1.0: greedy continued with G, as designed
         "configs": {},
     }
     for label, results in runs.items():
@@ -950,15 +954,6 @@ def _run_summary(label: str, c: dict) -> str:
 
 def _num(x, fmt: str) -> str:
     return "n/a" if x is None else format(x, fmt)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 # ---------------------------------------------------------------------------------------------------- peer
@@ -1017,8 +1012,8 @@ def section_peer(ctx: Context, sec: dict) -> None:
                 "lookup_tok_s": len(lookup) / lookup_s,
                 "speedup": greedy_s / lookup_s * len(lookup) / max(len(greedy), 1),
                 "lookup_equals_greedy": lookup == greedy,
-                "first_difference": _common_prefix(lookup, greedy) if lookup != greedy else None,
-                "greedy_repeats_echo": _common_prefix(greedy, g) / n,
+                "first_difference": common_prefix(lookup, greedy) if lookup != greedy else None,
+                "greedy_repeats_echo": common_prefix(greedy, g) / n,
             }
             print(f"  peer {vname}: {sec['variants'][vname]}", flush=True)
             ctx.report.save()

@@ -75,3 +75,13 @@ class SpecStats:
         if self.near_tie_rejections or self.tolerated_near_ties:
             lines.append(f"near-tie rejections {self.near_tie_rejections}, tolerated {self.tolerated_near_ties}")
         return "\n".join(lines)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Number of leading tokens two token lists share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
