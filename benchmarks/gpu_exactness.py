@@ -20,8 +20,8 @@ import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec.exactness import verify_rows_match_decode  # noqa: E402
-from jspec.models import dense  # noqa: E402
-from pallas_kernels import get_backend, quantize  # noqa: E402
+from jspec.models import dense, quantize_linears  # noqa: E402
+from pallas_kernels import get_backend  # noqa: E402
 
 
 def model(family: str, weights: str, small: bool):
@@ -34,11 +34,7 @@ def model(family: str, weights: str, small: bool):
     )  # fmt: skip
     dtype = jnp.float32 if weights == "float32" else jnp.bfloat16
     params = dense.init_params(cfg, jax.random.PRNGKey(0), dtype, scale=0.05)
-    if weights == "int4":
-        quant = {"qkv", "o", "gate_up", "down"}
-        params["layers"] = [{n: quantize(w) if n in quant else w for n, w in p.items()} for p in params["layers"]]
-        params["lm_head"] = quantize(params["lm_head"])
-    return cfg, params
+    return cfg, quantize_linears(params) if weights == "int4" else params
 
 
 def main() -> int:

@@ -38,9 +38,9 @@ import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec.config import ModelConfig, RopeConfig  # noqa: E402
-from jspec.models import hybrid  # noqa: E402
+from jspec.models import hybrid, quantize_linears  # noqa: E402
 from jspec.state import init_state  # noqa: E402
-from pallas_kernels import ROW_TILE, get_backend, quantize, set_backend  # noqa: E402
+from pallas_kernels import ROW_TILE, get_backend, set_backend  # noqa: E402
 from pallas_kernels.recurrent import gdn_rows, l2_normalize  # noqa: E402
 
 FULL_SHAPE = dict(
@@ -90,10 +90,8 @@ def make_config(tiny: bool, layers: int | None = None) -> ModelConfig:
 
 
 def make_params(cfg: ModelConfig, dtype) -> dict:
-    """Random params with every linear (and lm_head) quantized to int4, one layer at a time."""
-    params = hybrid.init_params(cfg, jax.random.PRNGKey(0), dtype)
-    layers = [{n: quantize(w) if n in hybrid.LINEAR_WEIGHTS else w for n, w in p.items()} for p in params["layers"]]
-    return {**params, "layers": layers, "lm_head": quantize(params["lm_head"])}
+    """Random params with every linear (and lm_head) quantized to int4."""
+    return quantize_linears(hybrid.init_params(cfg, jax.random.PRNGKey(0), dtype))
 
 
 def timed_chain(fn, state, iters: int, trials: int) -> tuple[float, object]:

@@ -34,11 +34,10 @@ import numpy as np
 
 import checkpoints
 from jspec.config import ModelConfig, RopeConfig
-from jspec.models import dense
+from jspec.models import dense, quantize_linears
 from jspec.models.layers import logits as logits_from_hidden
 from jspec.models.mtp import init_mtp_params, mtp_forward
 from jspec.stats import common_prefix
-from pallas_kernels import quantize
 
 EOS = "<|endoftext|>"
 # Model sizes: hidden, layers, query heads, KV heads, MLP width.
@@ -46,7 +45,6 @@ SIZES = {
     "demo": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408),
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128),
 }
-LINEAR_NAMES = ("qkv", "o", "gate_up", "down", "lm_head", "fc")  # every matrix `linear` multiplies by
 RESIDUAL_OUTPUTS = ("o", "down")  # projections writing into the residual stream (init scaled by depth)
 POST_TRAINING_RESERVE_S = 75  # evaluation, quantization, samples and saving after the training loop (H200)
 # Prompts end mid-line: the tokenizer merges a newline with the next line's indentation ("\n        " is one
@@ -219,15 +217,6 @@ def init_train_params(cfg: ModelConfig, key: jax.Array) -> dict:
 
 def count_params(tree) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
-
-
-def quantize_linears(params: dict) -> dict:
-    """Every linear weight (qkv, o, gate_up, down, lm_head, MTP fc) -> Int4Weight; the rest unchanged."""
-
-    def convert(path, leaf):
-        return quantize(leaf) if path[-1].key in LINEAR_NAMES else leaf
-
-    return jax.tree_util.tree_map_with_path(convert, params)
 
 
 def cast_floats(params, dtype):

@@ -57,7 +57,7 @@ from jspec.config import ModelConfig
 from jspec.drafters import PromptLookup
 from jspec.engine import Engine
 from jspec.gate import HitDensityGate
-from jspec.models import dense
+from jspec.models import dense, quantize_linears
 from jspec.state import init_state, physical_length
 from jspec.stats import common_prefix
 from jspec.steps import commit, decode_step, verify_step
@@ -358,9 +358,6 @@ def model_config(name: str, quick: bool) -> ModelConfig:
     return ModelConfig.from_hf(hf_config_dict(name, quick))
 
 
-LINEAR = ("qkv", "o", "gate_up", "down")
-
-
 def random_int4_params(cfg: ModelConfig, seed: int, lm_head_int4: bool) -> dict:
     """Random params on the device: `dense.init_params` (bf16, scale 0.02) with every linear weight (and the lm_head
     when lm_head_int4) quantized to int4 by `pallas_kernels.quantize`.
@@ -375,7 +372,7 @@ def random_int4_params(cfg: ModelConfig, seed: int, lm_head_int4: bool) -> dict:
     @jax.jit
     def layer(key):
         p = dense.init_params(one_layer, key, jnp.bfloat16, scale=0.02)["layers"][0]
-        return {name: quantize(w) if name in LINEAR else w for name, w in p.items()}
+        return quantize_linears(p)
 
     @jax.jit
     def outer(key):

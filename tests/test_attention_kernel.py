@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jspec.exactness import bits
 from pallas_kernels import ROW_TILE, attention_kernel, use_backend
 from pallas_kernels import attention as dispatch_attention
 from pallas_kernels.attention import reference_attention
-from tests.tiny import bits
 
 S, HQ, HKV, D = 1024, 8, 2, 64  # default partition: blocks of 64, splits of 512 -> 2 splits
 SCALE = D**-0.5

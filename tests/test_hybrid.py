@@ -14,52 +14,24 @@ import pytest
 import checkpoints
 import jspec
 from checkpoints.hf_hybrid import qwen3_next_in_proj_order
-from jspec.config import ModelConfig, RopeConfig, UnsupportedModelError
-from jspec.models import hybrid
+from jspec.config import ModelConfig, UnsupportedModelError
+from jspec.exactness import bits
+from jspec.models import hybrid, quantize_linears
 from jspec.state import init_state
 from pallas_kernels import ROW_TILE, Int4Weight, quantize, use_backend
 from pallas_kernels.recurrent import chunk_gated_delta, gdn_rows, gdn_step, l2_normalize
 from tests.conftest import TINY_HF_CONFIGS
-from tests.tiny import ScriptDrafter, bits
+from tests.tiny import ScriptDrafter, tiny_config
 
 MAX_LEN = 96
 VOCAB = 96
 HF_TOKENS = 80  # > 64: the chunked prefill crosses a chunk boundary
 
 
-def tiny_hybrid_config(family: str = "qwen3_next", **overrides) -> ModelConfig:
-    """2 layers (Gated DeltaNet, gated attention), hidden 64, linear heads 2 key / 8 value of 16."""
-    base = dict(
-        family=family,
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rope=RopeConfig(partial_rotary_factor=0.25),
-        layer_types=("linear_attention", "full_attention"),
-        attn_output_gate=True,
-        norm_plus_one=True,
-        linear_num_key_heads=2,
-        linear_num_value_heads=8,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-    )
-    return ModelConfig(**{**base, **overrides})
-
-
-def quantize_linears(params: dict) -> dict:
-    layers = [{n: quantize(w) if n in hybrid.LINEAR_WEIGHTS else w for n, w in p.items()} for p in params["layers"]]
-    return {**params, "layers": layers}
-
-
 @functools.cache
 def tiny_params(dtype: str = "float32", int4: bool = False) -> dict:
-    params = hybrid.init_params(tiny_hybrid_config(), jax.random.PRNGKey(0), jnp.dtype(dtype), scale=0.1)
-    return quantize_linears(params) if int4 else params
+    params = hybrid.init_params(tiny_config("qwen3_next"), jax.random.PRNGKey(0), jnp.dtype(dtype), scale=0.1)
+    return quantize_linears(params, lm_head=False) if int4 else params
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -161,7 +133,7 @@ def test_dense_configs_load():
 
 @functools.cache
 def _steps(dtype: str, int4: bool):
-    cfg = tiny_hybrid_config()
+    cfg = tiny_config("qwen3_next")
     params = tiny_params(dtype, int4)
     prompt = np.asarray([5, 17, 3, 42, 8, 8, 9, 1, 77, 30, 2, 11, 4], np.int32)
     padded = np.zeros((16,), np.int32)
@@ -260,7 +232,7 @@ def test_chunked_prefill_equals_the_recurrence():
 
 def test_prefill_padding_leaves_the_state_alone():
     """A prompt padded to a longer bucket leaves the same recurrent state and conv window in slot 0."""
-    cfg, params = tiny_hybrid_config(), tiny_params()
+    cfg, params = tiny_config("qwen3_next"), tiny_params()
     prompt = np.asarray([5, 17, 3, 42, 8, 8, 9, 1, 77, 30, 2, 11, 4], np.int32)
     fill = jax.jit(jspec.prefill, static_argnums=1)
     results = []
@@ -283,7 +255,7 @@ def test_prefill_padding_leaves_the_state_alone():
 
 @functools.cache
 def engine(k: int) -> jspec.Engine:
-    return jspec.Engine(tiny_params(), tiny_hybrid_config(), max_len=MAX_LEN, k=k)
+    return jspec.Engine(tiny_params(), tiny_config("qwen3_next"), max_len=MAX_LEN, k=k)
 
 
 @functools.cache

@@ -10,26 +10,19 @@ import pytest
 
 import jspec
 from jspec.exactness import verify_rows_match_decode
+from jspec.models import quantize_linears
 from jspec.state import init_state, physical_length
-from pallas_kernels import ROW_TILE, quantize
+from pallas_kernels import ROW_TILE
 from tests.tiny import tiny_config, tiny_params
 
 MAX_LEN = 64
-
-
-def _quantize_linears(params: dict) -> dict:
-    layers = [
-        {name: quantize(w) if name in ("qkv", "o", "gate_up", "down") else w for name, w in layer.items()}
-        for layer in params["layers"]
-    ]
-    return {**params, "layers": layers}
 
 
 @functools.cache
 def _model(family: str, dtype: str, int4: bool = False):
     cfg = tiny_config(family)
     params = tiny_params(cfg, jnp.dtype(dtype))
-    return cfg, _quantize_linears(params) if int4 else params
+    return cfg, quantize_linears(params, lm_head=False) if int4 else params
 
 
 PROMPT = [5, 17, 3, 42, 8, 8, 9, 1, 77, 30, 2, 11, 4]

@@ -8,12 +8,11 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config import ModelConfig, RopeConfig
-from jspec.exactness import bits  # re-exported for the tests
 from jspec.models import dense
 
 
 def tiny_config(family: str = "qwen2", **overrides) -> ModelConfig:
-    """A 2-layer dense config of the given family (hidden 64, 4 query / 2 KV heads of 16, vocab 96)."""
+    """A 2-layer config of the given family (hidden 64, 4 query / 2 KV heads of 16, vocab 96)."""
     base = dict(
         family=family,
         vocab_size=96,
@@ -37,6 +36,18 @@ def tiny_config(family: str = "qwen2", **overrides) -> ModelConfig:
                 high_freq_factor=4.0,
                 original_max_position_embeddings=32,
             )
+        )
+    elif family in ("qwen3_next", "qwen3_5"):  # layers: Gated DeltaNet, gated attention; linear heads 2 k / 8 v
+        base.update(
+            rope=RopeConfig(partial_rotary_factor=0.25),
+            layer_types=("linear_attention", "full_attention"),
+            attn_output_gate=True,
+            norm_plus_one=True,
+            linear_num_key_heads=2,
+            linear_num_value_heads=8,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
         )
     elif family == "glm4":
         base.update(attention_bias=True, post_norms=True, rope=RopeConfig(partial_rotary_factor=0.5, interleaved=True))
@@ -70,6 +81,3 @@ class ScriptDrafter:
         draft = (draft + self.offset) % self.vocab
         n_valid = jnp.clip(len(self.script) - state.position - 1, 0, k).astype(jnp.int32)
         return state, draft, n_valid
-
-
-__all__ = ["ScriptDrafter", "bits", "tiny_config", "tiny_params"]

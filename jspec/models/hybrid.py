@@ -29,8 +29,6 @@ from pallas_kernels import ROW_TILE, linear
 from pallas_kernels.recurrent import causal_conv, chunk_gated_delta, conv_window, gdn_rows, l2_normalize
 
 FULL, LINEAR = "full_attention", "linear_attention"
-# The linear weights of a layer (int4-quantizable); lm_head is the other one.
-LINEAR_WEIGHTS = ("qkv", "o", "in_proj", "out", "gate_up", "down")
 
 
 def _norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -79,9 +77,7 @@ def attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Arra
 
 def _gated_norm(x: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """w * normalize(x) gated by silu(z), per head: x, z [..., dv] in the activation dtype (as transformers)."""
-    xf = x.astype(jnp.float32)
-    normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-    return ((weight * normed).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+    return (rms_norm(x, weight, eps).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
 
 
 def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, start, length, slot, rows):
