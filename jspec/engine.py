@@ -117,11 +117,13 @@ class Engine:
         if bad.size:
             raise ValueError(f"token id {int(bad[0])} out of range for vocab_size {self.cfg.vocab_size}")
         room = self.max_len - prompt.size
+        if room < 1:
+            raise ValueError(f"prompt of {prompt.size} tokens leaves no room in the cache: max_len is {self.max_len}")
         if max_new_tokens is None:  # until the cache is full: the last token is produced but never fed back
             return prompt.astype(np.int32), room + 1
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if room < 1 or max_new_tokens > room:
+        if max_new_tokens > room:
             raise ValueError(
                 f"prompt of {prompt.size} tokens + max_new_tokens {max_new_tokens} = "
                 f"{prompt.size + max_new_tokens} exceeds the cache: max_len is {self.max_len}"

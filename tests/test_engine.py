@@ -183,6 +183,10 @@ def test_bad_input_raises_before_compute():
         ValueError, match=r"prompt of 60 tokens \+ max_new_tokens 5 = 65 exceeds the cache: max_len is 64"
     ):
         eng.generate([1] * 60, 5)
+    for prompt_len in (MAX_LEN, MAX_LEN + 6):
+        no_room = f"prompt of {prompt_len} tokens leaves no room in the cache: max_len is 64"
+        with pytest.raises(ValueError, match=no_room):
+            eng.generate([1] * prompt_len, None)
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         eng.generate([1], 0)
     for k in (0, 16):
