@@ -56,6 +56,7 @@ import numpy as np
 from jspec.config import ModelConfig
 from jspec.drafters import PromptLookup
 from jspec.engine import Engine
+from jspec.exactness import forced_decode_logits, mismatched_rows
 from jspec.gate import HitDensityGate
 from jspec.models import dense, quantize_linears
 from jspec.state import init_state, physical_length
@@ -652,18 +653,18 @@ def _pct(r: dict) -> str:
 def _bitwise_check(params: dict, execs: dict, k: int, base, draft: np.ndarray) -> dict:
     """verify_step's k+1 logits rows vs k+1 decode_steps committing the draft one token at a time, bit for bit."""
     _, verify_logits = execs[f"verify{k}"](params, copy_tree(base), jnp.asarray(draft))
-    state = copy_tree(base)
-    rows = []
-    for i in range(k + 1):
+
+    def step(state, token):
         state, logits = execs["decode"](params, state)
-        rows.append(np.asarray(logits))
-        if i < k:
-            state = execs["commit"](state, np.int32(0), np.int32(draft[i]))
+        return execs["commit"](state, np.int32(0), np.int32(token)), logits
+
+    # k + 1 decode steps; the token committed after the last one is never used.
+    rows = forced_decode_logits(step, copy_tree(base), np.append(draft, 0))
+    mismatch = mismatched_rows(verify_logits, rows)
     verify_rows = np.asarray(verify_logits)
-    equal = [bool(np.array_equal(verify_rows[i].view(np.uint32), rows[i].view(np.uint32))) for i in range(k + 1)]
     return {
-        "bitwise_equal_decode": all(equal),
-        "mismatch_rows": [i for i, ok in enumerate(equal) if not ok],
+        "bitwise_equal_decode": not mismatch,
+        "mismatch_rows": mismatch,
         "argmax_equal_rows": sum(int(np.argmax(verify_rows[i])) == int(np.argmax(rows[i])) for i in range(k + 1)),
     }
 

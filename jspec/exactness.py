@@ -48,13 +48,22 @@ def verify_rows_match_decode(
     state = init_state(cfg, max_len, dtype)
     state, _, _ = jax.jit(prefill, static_argnums=1)(params, cfg, state, padded, prompt.size)
     draft = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=ROW_TILE).astype(np.int32)
-    decode_bits, s = [], state
-    for i in range(max(ks) + 1):
-        s, logits = _decode_forced(params, cfg, s, draft[i])
-        decode_bits.append(bits(logits))
-    mismatches = {}
-    for k in ks:
-        _, logits = _verify(params, cfg, state, draft[:k])
-        rows = bits(logits)
-        mismatches[k] = [i for i in range(k + 1) if not np.array_equal(rows[i], decode_bits[i])]
-    return mismatches
+    step = functools.partial(_decode_forced, params, cfg)
+    decode_logits = forced_decode_logits(step, state, draft[: max(ks) + 1])
+    return {k: mismatched_rows(_verify(params, cfg, state, draft[:k])[1], decode_logits) for k in ks}
+
+
+def forced_decode_logits(step, state, tokens) -> list[np.ndarray]:
+    """Run step(state, next_token) -> (state, logits [V]) once per token, committing `tokens[i]` after decode i
+    (a forced draft, not the argmax); returns the len(tokens) logits rows, positions p .. p + len(tokens) - 1."""
+    rows = []
+    for token in tokens:
+        state, logits = step(state, token)
+        rows.append(np.asarray(logits))
+    return rows
+
+
+def mismatched_rows(verify_logits, decode_logits: list[np.ndarray]) -> list[int]:
+    """Rows i of verify_logits [k + 1, V] that differ in any bit from decode_logits[i]."""
+    verify_bits = bits(verify_logits)
+    return [i for i in range(verify_bits.shape[0]) if not np.array_equal(verify_bits[i], bits(decode_logits[i]))]
