@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec.config import ModelConfig, RopeConfig  # noqa: E402
+from jspec.exactness import bits, forced_decode_logits, mismatched_rows  # noqa: E402
 from jspec.models import hybrid, quantize_linears  # noqa: E402
 from jspec.state import init_state  # noqa: E402
 from pallas_kernels import ROW_TILE, get_backend, set_backend  # noqa: E402
@@ -113,11 +114,6 @@ def copy_state(state):
     return jax.tree.map(jnp.copy, state)
 
 
-def bits(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
-
-
 def bench_recurrent(cfg: ModelConfig, iters: int, trials: int) -> dict:
     """gdn_rows alone on one layer's candidate states: time for rows 1..4 and row invariance."""
     rng = np.random.default_rng(0)
@@ -176,17 +172,14 @@ def bench_steps(cfg: ModelConfig, params: dict, dtype, args) -> dict:
         )
     out["ratio"] = {f"verify_k{k}": out["ms"][f"verify_k{k}"] / out["ms"]["decode"] for k in args.ks}
 
-    decoded, s = [], copy_state(state)
-    for i in range(max(args.ks) + 1):
+    def step(s, token):
         s, logits = decode(params, s)
-        decoded.append(np.asarray(logits))
-        s = force(s, jnp.int32(draft[i] if i < len(draft) else 0))
-    exact = {}
-    for k in args.ks:
-        _, logits = verify[k](params, copy_state(state), draft[:k])
-        logits = np.asarray(logits)
-        exact[f"k{k}"] = all(np.array_equal(bits(logits[i]), bits(decoded[i])) for i in range(k + 1))
-    out["verify_rows_bit_identical_to_decode"] = exact
+        return force(s, jnp.int32(token)), logits
+
+    decoded = forced_decode_logits(step, copy_state(state), np.append(draft, 0))
+    out["verify_rows_bit_identical_to_decode"] = {
+        f"k{k}": not mismatched_rows(verify[k](params, copy_state(state), draft[:k])[1], decoded) for k in args.ks
+    }
     return out
 
 
