@@ -6,16 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jspec.exactness import bits
 from pallas_kernels import backend, int4_matmul
 from pallas_kernels.int4 import quantize
 from pallas_kernels.matmul import linear, reference_rows_matmul
 
 ON_GPU = jax.default_backend() == "gpu"
-
-
-def _bits(a):
-    a = np.asarray(a)
-    return a.view(np.uint32 if a.dtype == np.float32 else np.uint16)
 
 
 def _all_m(w, x, ms, interpret=True, config=None):
@@ -38,7 +34,7 @@ def _assert_row_exact(ys, ms):
     assert ms[-1] == 16 and full.shape[0] == 16
     for m, y in zip(ms, ys, strict=True):
         assert y.shape == (m, full.shape[1]) and y.dtype == np.float32
-        assert np.array_equal(_bits(y), _bits(full[:m])), f"row mismatch between M={m} and M=16"
+        assert np.array_equal(bits(y), bits(full[:m])), f"row mismatch between M={m} and M=16"
 
 
 def test_row_exact_every_m_int4_bf16():
@@ -133,7 +129,7 @@ def test_linear_dispatches_to_the_kernel_under_interpret_backend():
     with backend.use_backend("interpret"):
         y = linear(x[:3], w, out_dtype=jnp.float32)
     direct = int4_matmul.rows_matmul(x[:3], w, interpret=True)
-    assert np.array_equal(_bits(y), _bits(direct))
+    assert np.array_equal(bits(y), bits(direct))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiled Pallas kernels need a GPU")
