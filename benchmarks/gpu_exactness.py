@@ -20,11 +20,32 @@ import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec.exactness import verify_rows_match_decode  # noqa: E402
-from jspec.models import dense, quantize_linears  # noqa: E402
+from jspec.models import dense, hybrid, quantize_linears  # noqa: E402
+from jspec.models.mtp import init_mtp_params  # noqa: E402
 from pallas_kernels import get_backend  # noqa: E402
 
 
+def hybrid_model(weights: str, small: bool):
+    """Qwen3-Next-layout hybrid (3 Gated DeltaNet : 1 gated attention, head_dim 256 unless small) with one MTP
+    layer, random weights."""
+    h, layers, head_dim, inter, vocab = (128, 4, 32, 256, 512) if small else (1024, 4, 256, 2816, 32000)
+    cfg = jspec.ModelConfig(
+        family="qwen3_next", vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_layers=layers,
+        num_heads=8, num_kv_heads=2, head_dim=head_dim, rope=jspec.RopeConfig(partial_rotary_factor=0.25),
+        layer_types=("linear_attention",) * 3 + ("full_attention",), attn_output_gate=True, norm_plus_one=True,
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64 if small else 128,
+        linear_value_head_dim=64 if small else 128, linear_conv_kernel_dim=4, num_mtp_layers=1,
+        mtp_layout="qwen3_next",
+    )  # fmt: skip
+    dtype = jnp.float32 if weights == "float32" else jnp.bfloat16
+    params = hybrid.init_params(cfg, jax.random.PRNGKey(0), dtype)
+    params["mtp"] = init_mtp_params(cfg, jax.random.PRNGKey(1), dtype, 1)
+    return cfg, quantize_linears(params) if weights == "int4" else params
+
+
 def model(family: str, weights: str, small: bool):
+    if family == "qwen3_next":
+        return hybrid_model(weights, small)
     h, layers, heads, inter, vocab = (128, 2, 4, 256, 512) if small else (1024, 4, 8, 2816, 32000)
     extra = {"qwen2": dict(attention_bias=True), "llama": {}, "glm4": dict(attention_bias=True, post_norms=True)}
     rope = jspec.RopeConfig(partial_rotary_factor=0.5, interleaved=True) if family == "glm4" else jspec.RopeConfig()
@@ -49,9 +70,12 @@ def main() -> int:
     report = dict(
         jax=jax.__version__, device=jax.devices()[0].device_kind, backend=get_backend(), commit=args.commit, runs=[]
     )
-    plan = [  # (family, weights, k values); the first model also runs the end-to-end checks
+    plan = [  # (family, weights, k values); the first model and the hybrid also run the end-to-end checks
         ("qwen2", "int4", (1, 3, 7, 15)),
+        ("qwen3_next", "int4", (1, 3, 7, 15)),
+        ("qwen3_next", "float32", (1, 3)),
         ("qwen2", "bfloat16", (1, 7, 15)),
+        ("qwen2", "float32", (1, 15)),
         ("llama", "int4", (1, 15)),
         ("glm4", "int4", (1, 15)),
     ]
@@ -62,15 +86,19 @@ def main() -> int:
         mismatch = verify_rows_match_decode(params, cfg, prompt, tuple(ks), max_len=512)
         step_ok = all(not rows for rows in mismatch.values())
         e2e = {}
-        if not report["runs"]:
-            engine = jspec.Engine(params, cfg, max_len=512, k=7)
-            greedy = engine.generate(echo, 96).tokens
-            for name, kw in {
+        if not report["runs"] or (family == "qwen3_next" and weights == "int4"):
+            modes = {
                 "lookup_host": dict(drafter=jspec.PromptLookup()),
                 "lookup_gate_host": dict(drafter=jspec.PromptLookup(), gate=jspec.HitDensityGate()),
                 "lookup_device": dict(drafter=jspec.PromptLookup(), on_device=True),
                 "greedy_device": dict(on_device=True),
-            }.items():
+            }
+            if cfg.num_mtp_layers:
+                mtp = jspec.MTPDrafter()
+                modes.update(mtp_host=dict(drafter=mtp), mtp_device=dict(drafter=mtp, on_device=True))
+            engine = jspec.Engine(params, cfg, max_len=512, k=7 if not cfg.num_mtp_layers else 3)
+            greedy = engine.generate(echo, 96).tokens
+            for name, kw in modes.items():
                 r = engine.generate(echo, 96, **kw)
                 e2e[name] = dict(identical=r.tokens == greedy, mean_accepted=r.stats.mean_accepted)
         ok = step_ok and all(v["identical"] for v in e2e.values())
@@ -80,7 +108,7 @@ def main() -> int:
         report["runs"].append(run)
         with open(args.out, "w") as f:  # rewritten after every model: a run cut short keeps what it measured
             json.dump(report, f, indent=1)
-        print(f"{family:6s} {weights:9s} step-exact={step_ok} e2e={ {k: v['identical'] for k, v in e2e.items()} }"
+        print(f"{family:10s} {weights:9s} step-exact={step_ok} e2e={ {k: v['identical'] for k, v in e2e.items()} }"
               f" {run['seconds']:.0f}s", flush=True)  # fmt: skip
     report["all_exact"] = all_ok
     with open(args.out, "w") as f:

@@ -14,6 +14,11 @@ What it measures, in one process, after prefilling a prompt of --prompt-len toke
 - steps: jitted, state-donated decode_step and verify_step(k) for k in --ks, each timed as a chain of --iters
   calls at the same position (median per-call time of --trials chains); ratio verify / decode.
 - exactness: verify_step(k) row i logits == decode_step logits at position p + i (forced tokens), bit for bit.
+- e2e: `Engine.generate` (host loop) with the model's MTP head (one random Qwen3-Next-layout MTP layer) for k in
+  --ks, and prompt lookup (k = 3) on an echo prompt (prompt + its greedy continuation + prompt, so lookup hits),
+  each against plain greedy: tokens identical (a mismatch is an error), tok/s, mean_accepted. Random MTP weights
+  draft badly (mean_accepted near 1): that row measures the cost of a miss; the echo row measures rollback by
+  state selection when drafts are accepted.
 Each section records its own error (if any) in the JSON and the script exits non-zero.
 """
 
@@ -40,6 +45,7 @@ import jspec  # noqa: E402
 from jspec.config import ModelConfig, RopeConfig  # noqa: E402
 from jspec.exactness import bits, forced_decode_logits, mismatched_rows  # noqa: E402
 from jspec.models import hybrid, quantize_linears  # noqa: E402
+from jspec.models.mtp import init_mtp_params  # noqa: E402
 from jspec.state import init_state  # noqa: E402
 from pallas_kernels import ROW_TILE, get_backend, set_backend  # noqa: E402
 from pallas_kernels.recurrent import gdn_rows, l2_normalize  # noqa: E402
@@ -87,12 +93,16 @@ def make_config(tiny: bool, layers: int | None = None) -> ModelConfig:
         attn_output_gate=True,
         norm_plus_one=True,
         linear_conv_kernel_dim=4,
+        num_mtp_layers=1,
+        mtp_layout="qwen3_next",
     )
 
 
 def make_params(cfg: ModelConfig, dtype) -> dict:
-    """Random params with every linear (and lm_head) quantized to int4."""
-    return quantize_linears(hybrid.init_params(cfg, jax.random.PRNGKey(0), dtype))
+    """Random params (one MTP layer included) with every linear (and lm_head) quantized to int4."""
+    params = hybrid.init_params(cfg, jax.random.PRNGKey(0), dtype)
+    params["mtp"] = init_mtp_params(cfg, jax.random.PRNGKey(1), dtype, cfg.num_mtp_layers)
+    return quantize_linears(params)
 
 
 def timed_chain(fn, state, iters: int, trials: int) -> tuple[float, object]:
@@ -183,6 +193,43 @@ def bench_steps(cfg: ModelConfig, params: dict, dtype, args) -> dict:
     return out
 
 
+def bench_e2e(cfg: ModelConfig, params: dict, args) -> dict:
+    """Speculative (MTP k in args.ks; prompt lookup k=3 on an echo prompt) vs plain greedy, host loop: identity,
+    tok/s (second of two runs: the first compiles), mean_accepted."""
+    n_new = args.new_tokens
+    rng = np.random.default_rng(3)
+    prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, args.prompt_len // 2)]
+    max_len = 2 * args.prompt_len + 2 * n_new + 64
+
+    def run(engine, tokens, **kw):
+        engine.generate(tokens, n_new, **kw)
+        t0 = time.perf_counter()
+        r = engine.generate(tokens, n_new, **kw)
+        return r, n_new / (time.perf_counter() - t0)
+
+    greedy_engine = jspec.Engine(params, cfg, max_len=max_len, k=1)
+    out = {"new_tokens": n_new, "runs": {}}
+    greedy, greedy_tps = run(greedy_engine, prompt)
+    echo = prompt + greedy.tokens + prompt
+    echo_greedy, echo_greedy_tps = run(greedy_engine, echo)
+    out["runs"]["greedy"] = dict(tok_s=greedy_tps)
+    out["runs"]["greedy_echo"] = dict(tok_s=echo_greedy_tps)
+    cases = [(f"mtp_k{k}", k, jspec.MTPDrafter(), prompt, greedy, greedy_tps) for k in args.ks]
+    cases.append(("lookup_k3_echo", 3, jspec.PromptLookup(), echo, echo_greedy, echo_greedy_tps))
+    for name, k, drafter, tokens, reference, reference_tps in cases:
+        r, tps = run(jspec.Engine(params, cfg, max_len=max_len, k=k), tokens, drafter=drafter)
+        out["runs"][name] = dict(
+            k=k,
+            tok_s=tps,
+            speedup=tps / reference_tps,
+            mean_accepted=r.stats.mean_accepted,
+            identical=r.tokens == reference.tokens,
+        )
+        print(f"{name:16s} {tps:8.1f} tok/s  x{tps / reference_tps:.2f}  mean_accepted {r.stats.mean_accepted:.2f}"
+              f"  identical={r.tokens == reference.tokens}", flush=True)  # fmt: skip
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model on CPU (script debugging)")
@@ -194,10 +241,12 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=None, help="prefill length (default 512; tiny 40)")
     parser.add_argument("--iters", type=int, default=None, help="calls per timed chain (default 50; tiny 3)")
     parser.add_argument("--trials", type=int, default=None, help="timed chains per measurement (default 5; tiny 2)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="e2e new tokens per run (default 128; tiny 12)")
     args = parser.parse_args()
     args.ks = tuple(int(k) for k in args.ks.split(","))
     args.prompt_len = args.prompt_len or (40 if args.tiny else 512)
     args.iters = args.iters or (3 if args.tiny else 50)
+    args.new_tokens = args.new_tokens or (12 if args.tiny else 128)
     args.trials = args.trials or (2 if args.tiny else 5)
     if args.backend:
         set_backend(args.backend)
@@ -244,6 +293,15 @@ def main() -> int:
     except Exception:
         result["errors"]["steps"] = traceback.format_exc()[-4000:]
         print(result["errors"]["steps"])
+    if "steps" in result:
+        try:
+            result["e2e"] = bench_e2e(cfg, params, args)
+            bad = [name for name, r in result["e2e"]["runs"].items() if r.get("identical") is False]
+            if bad:
+                result["errors"]["e2e"] = f"speculative tokens differ from greedy: {bad}"
+        except Exception:
+            result["errors"]["e2e"] = traceback.format_exc()[-4000:]
+            print(result["errors"]["e2e"])
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

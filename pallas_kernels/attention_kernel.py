@@ -40,10 +40,13 @@ except ImportError:  # pragma: no cover - depends on the installed jaxlib
     _pl_triton = None
 
 FOLD_HEADS = True  # one dot over all query heads of a KV head (heads padded to a power of 2); False: one per head
-BLOCK_K = 64  # cache positions per inner step
-SPLIT = 512  # cache positions per split (flash-decoding partition); a multiple of BLOCK_K
+SPLIT = 512  # cache positions per split (flash-decoding partition); a multiple of every block_k below
 NUM_WARPS = 8
-NUM_STAGES = 3
+# (block_k cache positions per inner step, pipeline stages), in order of preference; `split_tiles` takes the first
+# whose shared-memory footprint fits. (64, 3) is the variant measured best on the H200 at head_dim 128 bf16; at
+# head_dim 256 (Qwen3-Next) it asked for 256 KiB, over the H200's 227 KiB per block.
+TILE_CHOICES = ((64, 3), (32, 3), (32, 2), (16, 2), (16, 1))
+SMEM_BUDGET = 160 * 1024  # bytes for the q tile and the pipelined K/V blocks; the rest is left to Triton's scratch
 COMBINE_ROWS = 2  # rows of one query head per combine program
 COMBINE_CHUNK = 16  # splits loaded per combine step
 
@@ -133,11 +136,23 @@ def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, split, chunk):
     out_ref[...] = (num * (1.0 / den)[:, None]).astype(out_ref.dtype)
 
 
-def _check(q, k_cache, v_cache, block_k, split, combine_rows):
+def split_tiles(rows: int, head_dim: int, itemsize: int) -> tuple[int, int]:
+    """(block_k, num_stages) of the split kernel for a row tile of `rows` query rows: the first of TILE_CHOICES
+    whose q tile + stages x (K and V blocks) fit SMEM_BUDGET. A function of the shape only (never of M)."""
+    for block_k, stages in TILE_CHOICES:
+        if (rows + 2 * stages * block_k) * head_dim * itemsize <= SMEM_BUDGET:
+            return block_k, stages
+    raise ValueError(
+        f"attention: a tile of {rows} query rows x head_dim {head_dim} ({itemsize}-byte elements) does not fit "
+        f"the kernel's {SMEM_BUDGET // 1024} KiB shared-memory budget"
+    )
+
+
+def _check_inputs(q, k_cache, v_cache):
     if q.ndim != 3 or k_cache.ndim != 3:
         raise ValueError(f"expected q [M, Hq, D] and caches [S, Hkv, D], got {q.shape} and {k_cache.shape}")
     m, hq, d = q.shape
-    s_len, hkv, dk = k_cache.shape
+    _, hkv, dk = k_cache.shape
     if not 1 <= m <= ROW_TILE:
         raise ValueError(f"attention takes 1..{ROW_TILE} query rows, got {m}")
     if v_cache.shape != k_cache.shape:
@@ -149,6 +164,9 @@ def _check(q, k_cache, v_cache, block_k, split, combine_rows):
             f"q, k_cache, v_cache must share one dtype of float32/bfloat16, got "
             f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
+
+
+def _check_tiles(d, s_len, block_k, split, combine_rows):
     if d & (d - 1) or block_k & (block_k - 1) or split % block_k or ROW_TILE % combine_rows:
         raise ValueError(
             f"head_dim {d} and block_k {block_k} must be powers of 2, split {split} a multiple of "
@@ -167,10 +185,10 @@ def attention(
     scale: float,
     interpret: bool,
     fold_heads: bool = FOLD_HEADS,
-    block_k: int = BLOCK_K,
+    block_k: int | None = None,
     split: int = SPLIT,
     num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
+    num_stages: int | None = None,
     combine_rows: int = COMBINE_ROWS,
     combine_chunk: int = COMBINE_CHUNK,
 ) -> jax.Array:
@@ -180,9 +198,16 @@ def attention(
     Row r attends cache positions 0..start+r; the caller guarantees start + ROW_TILE <= S (positions past
     start + ROW_TILE - 1 may hold stale finite data; blocks past the one holding start + ROW_TILE - 1 are never
     read). GQA: query head h uses KV head h // (Hq // Hkv). The tuning arguments change the bits (never the row
-    exactness); a model keeps the defaults.
+    exactness); a model keeps the defaults (block_k / num_stages None: `split_tiles` picks them from the shape).
     """
-    _check(q, k_cache, v_cache, block_k, split, combine_rows)
+    _check_inputs(q, k_cache, v_cache)
+    _, hq, d = q.shape
+    group = hq // k_cache.shape[1]
+    rows = (1 << (group - 1).bit_length() if fold_heads else 1) * ROW_TILE
+    auto_block, auto_stages = split_tiles(rows, d, jnp.dtype(q.dtype).itemsize)
+    block_k = auto_block if block_k is None else block_k
+    num_stages = auto_stages if num_stages is None else num_stages
+    _check_tiles(d, k_cache.shape[0], block_k, split, combine_rows)
     if not interpret and _pl_triton is None:
         raise RuntimeError("compiled Pallas attention needs jax.experimental.pallas.triton (a GPU jaxlib)")
     m = q.shape[0]
