@@ -1034,19 +1034,22 @@ def section_peer(ctx: Context, sec: dict) -> None:
 
 def _hf_generate(model, config, ids: np.ndarray, new: int, lookup: int | None, device: str):
     """(new tokens list, seconds) of model.generate with a StaticCache sized for the prompt, the output and a draft."""
+    import warnings
+
     import torch
-    import transformers
     from transformers import StaticCache
 
     x = torch.as_tensor(ids[None].astype(np.int64), device=device)
     cache = StaticCache(config=config, max_cache_len=len(ids) + new + (lookup or 0) + 1)
-    cache_kw = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
-    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, **{cache_kw: cache})
+    # `past_key_values` is the name every transformers release takes (5.24 adds `cache` and deprecates it; 5.17,
+    # on the H200, rejects `cache`).
+    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, past_key_values=cache)
     if lookup:
         kwargs["prompt_lookup_num_tokens"] = lookup
     _sync(device)
     t0 = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
         out = model.generate(x, **kwargs)
     _sync(device)
     return out[0, len(ids) :].tolist(), time.perf_counter() - t0
