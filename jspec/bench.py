@@ -973,7 +973,10 @@ def section_peer(ctx: Context, sec: dict) -> None:
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sec.update(model=name, device=device, transformers=transformers.__version__, torch=torch.__version__)
-    sec["setup"] = "bf16, attn_implementation=eager, StaticCache, greedy (do_sample=False), random weights"
+    sec["setup"] = (
+        "bf16, attn_implementation=eager, greedy (do_sample=False), random weights; greedy with a StaticCache, "
+        "prompt lookup with the default dynamic cache (transformers refuses assisted generation with static caches)"
+    )
     hf = hf_config_dict(name, opts.quick)
     config = AutoConfig.for_model(hf.pop("model_type"), **hf)
     t0 = time.perf_counter()
@@ -1033,19 +1036,18 @@ def section_peer(ctx: Context, sec: dict) -> None:
 
 
 def _hf_generate(model, config, ids: np.ndarray, new: int, lookup: int | None, device: str):
-    """(new tokens list, seconds) of model.generate with a StaticCache sized for the prompt, the output and a draft."""
+    """(new tokens list, seconds) of model.generate: greedy with a StaticCache, prompt lookup with a dynamic one."""
     import warnings
 
     import torch
     from transformers import StaticCache
 
     x = torch.as_tensor(ids[None].astype(np.int64), device=device)
-    cache = StaticCache(config=config, max_cache_len=len(ids) + new + (lookup or 0) + 1)
-    # `past_key_values` is the name every transformers release takes (5.24 adds `cache` and deprecates it; 5.17,
-    # on the H200, rejects `cache`).
-    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, past_key_values=cache)
-    if lookup:
+    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    if lookup:  # assisted generation refuses static caches (transformers 5.17): the default dynamic cache
         kwargs["prompt_lookup_num_tokens"] = lookup
+    else:  # `past_key_values`: the name every release takes (5.24 deprecates it for `cache`, which 5.17 rejects)
+        kwargs["past_key_values"] = StaticCache(config=config, max_cache_len=len(ids) + new + 1)
     _sync(device)
     t0 = time.perf_counter()
     with torch.no_grad(), warnings.catch_warnings():
