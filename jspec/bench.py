@@ -12,8 +12,9 @@ sub-step), and whatever is skipped is recorded in the JSON with the reason:
                loop) on echo prompts (see `echo_prompt`) whose echo pattern sets the acceptance from ~1 to ~k + 1
                tokens per verify; every run's tokens are compared with plain greedy.
   other_steps  decode_step and verify_step (k = 7) at the other shapes: Qwen2.5-7B, GLM-4-9B, the bundled demo model.
-  peer         (--peer-hf) HuggingFace transformers, bf16 eager, static cache, `prompt_lookup_num_tokens`, at the
-               Qwen2.5-7B shape: tok/s, and whether its prompt-lookup output equals its own greedy output.
+  peer         (--peer-hf) HuggingFace transformers, bf16 eager (greedy timed with a static cache),
+               `prompt_lookup_num_tokens`, at the Qwen2.5-7B shape: tok/s, and whether its prompt-lookup output
+               equals its own greedy output on the same (dynamic) cache.
 
 Weights are random (no downloads): `jspec.models.dense.init_params` in bf16, every linear weight (and by default the
 lm_head) quantized to int4 on the device with `pallas_kernels.quantize`. Values do not change the cost of a step. For
@@ -956,7 +957,7 @@ def _num(x, fmt: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------- peer
 def section_peer(ctx: Context, sec: dict) -> None:
-    """HF transformers at the peer shape: bf16 eager, static cache; greedy vs prompt_lookup_num_tokens.
+    """HF transformers at the peer shape: bf16 eager; greedy (static cache) vs prompt_lookup_num_tokens.
 
     First with the random weights as initialized (the echo prompt makes its prompt lookup verify, with attention
     fully in play: does its speculative output equal its greedy output?), then with the attention output
@@ -974,8 +975,9 @@ def section_peer(ctx: Context, sec: dict) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sec.update(model=name, device=device, transformers=transformers.__version__, torch=torch.__version__)
     sec["setup"] = (
-        "bf16, attn_implementation=eager, greedy (do_sample=False), random weights; greedy with a StaticCache, "
-        "prompt lookup with the default dynamic cache (transformers refuses assisted generation with static caches)"
+        "bf16, attn_implementation=eager, greedy (do_sample=False), random weights; greedy timed with a StaticCache; "
+        "prompt lookup with the default dynamic cache (transformers refuses assisted generation with static caches), "
+        "its output compared with greedy on the same dynamic cache"
     )
     hf = hf_config_dict(name, opts.quick)
     config = AutoConfig.for_model(hf.pop("model_type"), **hf)
@@ -992,8 +994,8 @@ def section_peer(ctx: Context, sec: dict) -> None:
     length = 2 * opts.prompt_len + 2 * n  # every prompt, as in the e2e section
     p, filler = random_filler(rng, config.vocab_size, opts.prompt_len, n, length)
 
-    def generate(ids: np.ndarray, new: int, lookup: bool):
-        return _hf_generate(model, config, ids, new, k if lookup else None, device)
+    def generate(ids: np.ndarray, new: int, lookup: bool, static: bool = True):
+        return _hf_generate(model, config, ids, new, k if lookup else None, device, static)
 
     def echo_variants(prefix: str, periods: tuple) -> None:
         first = (p, filler, generate(filler, n, False)[0])
@@ -1006,14 +1008,16 @@ def section_peer(ctx: Context, sec: dict) -> None:
             vname = prefix + ("full" if period is None else f"insert{period}")
             prompt = echo_prompt(q, g, period, rng, config.vocab_size, length)
             greedy, greedy_s = generate(prompt, n, False)
+            greedy_dynamic, _ = generate(prompt, n, False, static=False)
             lookup, lookup_s = generate(prompt, n, True)
             sec["variants"][vname] = {
                 "prompt_len": len(prompt),
                 "greedy_tok_s": len(greedy) / greedy_s,
                 "lookup_tok_s": len(lookup) / lookup_s,
                 "speedup": greedy_s / lookup_s * len(lookup) / max(len(greedy), 1),
-                "lookup_equals_greedy": lookup == greedy,
-                "first_difference": common_prefix(lookup, greedy) if lookup != greedy else None,
+                "lookup_equals_greedy": lookup == greedy_dynamic,  # same (dynamic) cache on both sides
+                "first_difference": common_prefix(lookup, greedy_dynamic) if lookup != greedy_dynamic else None,
+                "greedy_static_equals_dynamic": greedy == greedy_dynamic,
                 "greedy_repeats_echo": common_prefix(greedy, g) / n,
             }
             print(f"  peer {vname}: {sec['variants'][vname]}", flush=True)
@@ -1035,8 +1039,9 @@ def section_peer(ctx: Context, sec: dict) -> None:
         torch.set_num_threads(threads)
 
 
-def _hf_generate(model, config, ids: np.ndarray, new: int, lookup: int | None, device: str):
-    """(new tokens list, seconds) of model.generate: greedy with a StaticCache, prompt lookup with a dynamic one."""
+def _hf_generate(model, config, ids: np.ndarray, new: int, lookup: int | None, device: str, static: bool = True):
+    """(new tokens list, seconds) of model.generate; greedy with a StaticCache when `static`, else (and always for
+    prompt lookup) the default dynamic cache."""
     import warnings
 
     import torch
@@ -1046,7 +1051,7 @@ def _hf_generate(model, config, ids: np.ndarray, new: int, lookup: int | None, d
     kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     if lookup:  # assisted generation refuses static caches (transformers 5.17): the default dynamic cache
         kwargs["prompt_lookup_num_tokens"] = lookup
-    else:  # `past_key_values`: the name every release takes (5.24 deprecates it for `cache`, which 5.17 rejects)
+    elif static:  # `past_key_values`: the name every release takes (5.24 deprecates it for `cache`; 5.17 rejects that)
         kwargs["past_key_values"] = StaticCache(config=config, max_cache_len=len(ids) + new + 1)
     _sync(device)
     t0 = time.perf_counter()

@@ -77,6 +77,7 @@ def test_quick_peer_targets_plots_and_table(quick, capsys):
     assert set(peer["variants"]) == {"as-initialized/full", "full", "insert1"}
     for v in peer["variants"].values():
         assert v["greedy_tok_s"] > 0 and v["lookup_tok_s"] > 0 and isinstance(v["lookup_equals_greedy"], bool)
+        assert isinstance(v["greedy_static_equals_dynamic"], bool)
     targets = {t["name"]: t for t in data["targets"]}
     assert len(targets) == 9 and all(t["met"] in (True, False, None) for t in targets.values())
     assert targets["zero recompiles after warm-up (e2e engines)"]["met"] is True
