@@ -74,15 +74,17 @@ def gdn_rows(states, slot, q, k, v, g, beta, rows: int):
     v [R, h, dv], g/beta [R, h] float32 (the full row tile, R = ROW_TILE). Returns (states with the post-state
     after row i in slot i for i < rows, out float32 [R, h, dv] with rows >= `rows` zero).
 
-    `rows` is static, but the loop gets it as a runtime value derived from `slot` (a traced value in every step:
-    DecodeState.slot): decode (1 row) and verify (k + 1 rows) run the very same compiled loop body, a fusion
-    boundary for XLA, so row i's arithmetic cannot depend on the row count. (A constant slot lets XLA see the trip
-    count and unroll the loop differently per row count.)
+    `rows` is static, but the loop gets it as a runtime value hidden behind an optimization barrier: decode (1 row)
+    and verify (k + 1 rows) run the very same compiled loop body, a fusion boundary for XLA, so row i's arithmetic
+    cannot depend on the row count or on the calling context. Without the barrier XLA can prove the count where
+    `slot` is a known constant (in `generate_on_device`'s greedy while loop slot is always 0: prefill and every
+    decode commit set it to 0), see a trip count of 1, inline the loop body and fuse it differently; on XLA:CPU
+    that changed which product of `exp(g) S + k u^T` is contracted into an FMA (interpret mode).
     """
     r = states.shape[0]
     if not 1 <= rows <= r or q.shape[0] != r:
         raise ValueError(f"rows={rows} must be in 1..{r} and the tile must have {r} rows, got {q.shape[0]}")
-    count = jnp.where(slot >= 0, rows, 0).astype(jnp.int32)  # a value XLA cannot constant-fold into the loop
+    slot, count = jax.lax.optimization_barrier((slot, jnp.asarray(rows, jnp.int32)))
     name = _backend.get_backend()
     if name == "reference":
         return _rows_reference(states, slot, q, k, v, g, beta, count)

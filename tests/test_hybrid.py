@@ -16,6 +16,7 @@ import jspec
 from checkpoints.hf_hybrid import qwen3_next_in_proj_order
 from jspec.config import ModelConfig, UnsupportedModelError
 from jspec.exactness import bits
+from jspec.generate import LoopSettings, decode_round, prefill_round
 from jspec.models import hybrid, quantize_linears
 from jspec.state import init_state
 from pallas_kernels import ROW_TILE, Int4Weight, quantize, use_backend
@@ -211,6 +212,28 @@ def test_gdn_rows_row_invariant(backend):
     np.testing.assert_allclose(all_states, ref_states, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_gdn_rows_bits_do_not_depend_on_a_known_slot(backend, rows):
+    """A slot XLA knows to be constant (generate_on_device's greedy loop: always 0) gives the bits of a traced slot.
+
+    Without the barrier on the row count, interpret mode saw a trip count of 1, inlined the row loop and contracted
+    the other product of exp(g) S + k u^T into an FMA on XLA:CPU."""
+    rng = np.random.default_rng(4)
+    r, h, dk, dv = ROW_TILE, 4, 16, 32
+    states = jnp.asarray(rng.normal(size=(r, h, dk, dv)), jnp.float32)
+    q = l2_normalize(jnp.asarray(rng.normal(size=(r, h, dk)), jnp.float32)) * dk**-0.5
+    k = l2_normalize(jnp.asarray(rng.normal(size=(r, h, dk)), jnp.float32))
+    v = jnp.asarray(rng.normal(size=(r, h, dv)), jnp.float32)
+    g = -jnp.asarray(rng.uniform(0, 0.5, (r, h)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, (r, h)), jnp.float32)
+    with use_backend(backend):
+        traced = jax.jit(lambda s, slot, *a: gdn_rows(s, slot, *a, rows))(states, 0, q, k, v, g, beta)
+        known = jax.jit(lambda s, *a: gdn_rows(s, jnp.int32(0), *a, rows))(states, q, k, v, g, beta)
+    for a, b in zip(traced, known, strict=True):
+        assert np.array_equal(bits(a), bits(b))
+
+
 def test_chunked_prefill_equals_the_recurrence():
     """The chunked algorithm over 150 positions (three chunks) == the step applied position by position."""
     rng = np.random.default_rng(3)
@@ -276,6 +299,31 @@ def test_prompt_lookup_equals_greedy(prompt, gated, on_device):
     assert result.stats.exact
     if prompt == REPETITIVE_PROMPT:
         assert result.stats.verify_steps > 0 and result.stats.accepted > 0
+
+
+def test_on_device_greedy_loop_matches_host_rounds():
+    """generate_on_device's greedy while loop (slot a loop-invariant 0) leaves the bits of the host loop's decode
+    rounds: the whole loop state, recurrent states included, int4 bfloat16 in interpret mode."""
+    cfg, params = tiny_config("qwen3_next"), tiny_params("bfloat16", True)
+    settings = LoopSettings(max_len=MAX_LEN, k=3, dtype="bfloat16")
+    prompt = np.zeros((32,), np.int32)
+    prompt[:20] = RANDOM_PROMPT
+    request = (jnp.int32(20), jnp.int32(6), jnp.asarray([-1], jnp.int32))
+    with use_backend("interpret"):
+        first = jax.jit(lambda p, t: prefill_round(p, cfg, settings, t, *request))
+        round_ = jax.jit(lambda p, loop: decode_round(p, cfg, settings, loop))
+
+        def on_device(p, t):  # generate_on_device's loop, returning the final Loop
+            body = functools.partial(decode_round, p, cfg, settings)
+            return jax.lax.while_loop(lambda loop: ~loop.done, body, prefill_round(p, cfg, settings, t, *request))
+
+        device = jax.jit(on_device)(params, prompt)
+        host = first(params, prompt)
+        while not host.done:
+            host = round_(params, host)
+    assert int(host.n_out) == 6
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(host), jax.tree.leaves(device), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), jax.tree_util.keystr(path)
 
 
 @pytest.mark.parametrize("on_device", [False, True])
