@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -23,6 +24,8 @@ from jspec.config import ModelConfig
 from jspec.gate import HitDensityGate
 from jspec.generate import LoopSettings, decode_round, generate_on_device, prefill_round, verify_round
 from jspec.stats import STOP_REASONS, SpecStats
+from pallas_kernels import get_backend, prepare_reference
+from pallas_kernels.matmul import prepared_nbytes, reference_prep_fits
 
 MIN_BUCKET = 16
 
@@ -37,16 +40,33 @@ class Engine:
     """Compiles and runs generation for one model (params, cfg) with caches of max_len positions.
 
     k: the draft length verified per verify step (1 <= k <= ROW_TILE - 1).
+    prepare: dequantize the int4 weights once (`pallas_kernels.prepare_reference`: same bits, more memory) instead
+      of in every step. None: when the kernel backend is "reference" (CPU), unless the copy would take over a
+      quarter of physical memory (then a warning says so and every step dequantizes). `self.prepared` records
+      the choice.
     """
 
-    def __init__(self, params: dict, cfg: ModelConfig, max_len: int, k: int = 4, dtype=None):
+    def __init__(
+        self, params: dict, cfg: ModelConfig, max_len: int, k: int = 4, dtype=None, prepare: bool | None = None
+    ):
         if max_len < 2:
             raise ValueError(f"max_len must be >= 2, got {max_len}")
-        self.params = params
         self.cfg = cfg
         self.max_len = int(max_len)
         self.k = int(k)
         self.dtype = jnp.dtype(dtype or params["embed"].dtype).name
+        if prepare is None:
+            prepare = get_backend() == "reference"
+            if prepare and not reference_prep_fits(params, self.dtype):
+                warnings.warn(
+                    f"int4 weights are dequantized in every step (slower): their prepared copy "
+                    f"({prepared_nbytes(params, self.dtype) / 2**30:.1f} GiB) would take over a quarter of this "
+                    "machine's memory; pass prepare=True to use it anyway or prepare=False to silence this",
+                    stacklevel=2,
+                )
+                prepare = False
+        self.prepared = bool(prepare)
+        self.params = prepare_reference(params, self.dtype) if self.prepared else params
         LoopSettings(max_len=self.max_len, k=self.k)  # validates k
         self._executables: dict[tuple, jax.stages.Compiled] = {}
         self.num_compiles = 0

@@ -7,10 +7,11 @@ bit for bit, whatever the number of rows M <= ROW_TILE.
 from pallas_kernels.attention import attention, causal_attention
 from pallas_kernels.backend import ROW_TILE, get_backend, set_backend, use_backend
 from pallas_kernels.int4 import Int4Weight, dequantize, pack, quantize
-from pallas_kernels.matmul import linear, rows_matmul
+from pallas_kernels.matmul import Int4Halves, linear, prepare_reference, rows_matmul
 
 __all__ = [
     "ROW_TILE",
+    "Int4Halves",
     "Int4Weight",
     "attention",
     "causal_attention",
@@ -18,6 +19,7 @@ __all__ = [
     "get_backend",
     "linear",
     "pack",
+    "prepare_reference",
     "quantize",
     "rows_matmul",
     "set_backend",

@@ -65,13 +65,28 @@ def unpack_codes(w: Int4Weight) -> jax.Array:
     return jnp.stack([low, high], axis=-1).reshape(n, 2 * half)
 
 
+def _dequantize_blocks(codes: jax.Array, w: Int4Weight, dtype) -> jax.Array:
+    """The module's formula on codes uint8 [N, K // BLOCK, c] (c codes of each block) -> [N, K // BLOCK, c]."""
+    z = 8.0 if w.zeros is None else w.zeros.astype(jnp.float32)[..., None]
+    s = w.scales.astype(jnp.float32)[..., None]
+    return ((codes.astype(jnp.float32) - z) * s).astype(dtype)
+
+
 def dequantize(w: Int4Weight, dtype=jnp.float32) -> jax.Array:
     """Dense W [K, N] in `dtype` by the module's formula."""
-    q = unpack_codes(w).astype(jnp.float32)
+    q = unpack_codes(w)
     n, k = q.shape
-    z = 8.0 if w.zeros is None else jnp.repeat(w.zeros.astype(jnp.float32), BLOCK, axis=1)
-    s = jnp.repeat(w.scales.astype(jnp.float32), BLOCK, axis=1)
-    return ((q - z) * s).astype(dtype).T
+    return _dequantize_blocks(q.reshape(n, k // BLOCK, BLOCK), w, dtype).reshape(n, k).T
+
+
+def dequantize_halves(w: Int4Weight, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """(W[0::2].T, W[1::2].T), each [N, K // 2] in `dtype` (the packed layout): the low and the high nibbles
+    dequantized by the module's formula, not interleaved (the row-tile reference product dots them separately)."""
+    n, half = w.packed.shape
+    blocks = w.packed.reshape(n, half // (BLOCK // 2), BLOCK // 2)  # the BLOCK // 2 bytes of each block
+    even = _dequantize_blocks(blocks & 0xF, w, dtype).reshape(n, half)
+    odd = _dequantize_blocks(blocks >> 4, w, dtype).reshape(n, half)
+    return even, odd
 
 
 def quantize(w, *, symmetric: bool = True) -> Int4Weight:

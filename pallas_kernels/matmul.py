@@ -2,19 +2,50 @@
 
 Rows M <= ROW_TILE (decode and verify) go through the row-tile path: the rows are padded to ROW_TILE and the
 product runs on that fixed tile, so row r of the result is bit-identical for every M. Larger M (prefill, the
-full forward) goes through a plain dequantize-then-dot; both greedy and speculative decoding start from the
+full forward) goes through a plain product without padding; both greedy and speculative decoding start from the
 same prefill, so it never needs to agree with the row-tile path bit for bit.
+
+The jnp reference product of an int4 W never builds the interleaved dense W: it dequantizes the low nibbles
+(W[0::2], even k) and the high nibbles (W[1::2], odd k) separately (`int4.dequantize_halves`, the format's one
+formula, in the packed [N, K // 2] layout) and sums two dots, x[:, 0::2] @ W[0::2] + x[:, 1::2] @ W[1::2]. On
+CPU that dequantization dominates a decode step, so `prepare_reference` can do it once: it replaces every
+Int4Weight of a params tree by its `Int4Halves` (more memory: 2 or 4 bytes per weight instead of 0.5), and the
+reference product then runs on the stored halves with the same dots, giving the same bits as dequantizing on
+every call.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backend as _backend
-from pallas_kernels.int4 import Int4Weight, dequantize
+from pallas_kernels.int4 import Int4Weight, dequantize_halves
 
-Weight = jax.Array | Int4Weight
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4Halves:
+    """An Int4Weight W [K, N] dequantized for the reference backend: even = W[0::2].T, odd = W[1::2].T, [N, K // 2]."""
+
+    even: jax.Array
+    odd: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical (K, N)."""
+        n, half = self.even.shape
+        return (2 * half, n)
+
+    @property
+    def nbytes(self) -> int:
+        return self.even.nbytes + self.odd.nbytes
+
+
+Weight = jax.Array | Int4Weight | Int4Halves
 
 
 def linear(x: jax.Array, w: Weight, bias: jax.Array | None = None, *, out_dtype=None) -> jax.Array:
@@ -29,8 +60,7 @@ def linear(x: jax.Array, w: Weight, bias: jax.Array | None = None, *, out_dtype=
     if m <= _backend.ROW_TILE:
         y = rows_matmul(x, w)
     else:
-        w_dense = dequantize(w, x.dtype) if isinstance(w, Int4Weight) else w
-        y = jnp.dot(x, w_dense, preferred_element_type=jnp.float32)
+        y = _product(x, w)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(out_dtype)
@@ -41,13 +71,15 @@ def rows_matmul(x: jax.Array, w: Weight) -> jax.Array:
     name = _backend.get_backend()
     if name == "reference":
         return reference_rows_matmul(x, w)
+    if isinstance(w, Int4Halves):
+        raise ValueError(f"Int4Halves (prepare_reference) are for the 'reference' kernel backend, not {name!r}")
     from pallas_kernels import int4_matmul
 
     return int4_matmul.rows_matmul(x, w, interpret=name == "interpret")
 
 
 def reference_rows_matmul(x: jax.Array, w: Weight) -> jax.Array:
-    """jnp reference of the row-tile product: pad to ROW_TILE rows, one fixed-shape dot, then slice.
+    """jnp reference of the row-tile product: pad to ROW_TILE rows, one fixed-shape product, then slice.
 
     The optimization barrier keeps XLA from sinking the final slice into the dot (DESIGN 2, rule 7).
     """
@@ -55,7 +87,44 @@ def reference_rows_matmul(x: jax.Array, w: Weight) -> jax.Array:
     tile = _backend.ROW_TILE
     if m > tile:
         raise ValueError(f"rows_matmul takes at most {tile} rows, got {m}")
-    xp = jnp.pad(x, ((0, tile - m), (0, 0)))
-    w_dense = dequantize(w, x.dtype) if isinstance(w, Int4Weight) else w.astype(x.dtype)
-    y = jnp.dot(xp, w_dense, preferred_element_type=jnp.float32)
+    y = _product(jnp.pad(x, ((0, tile - m), (0, 0))), w)
     return jax.lax.optimization_barrier(y)[:m]
+
+
+def _product(x: jax.Array, w: Weight) -> jax.Array:
+    """x [M, K] @ W [K, N] -> float32 [M, N]; int4 W as the two nibble-half dots (module docstring)."""
+    if isinstance(w, Int4Weight):
+        w = Int4Halves(*dequantize_halves(w, x.dtype))
+    if not isinstance(w, Int4Halves):
+        return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    if jnp.dtype(w.even.dtype).itemsize < jnp.dtype(x.dtype).itemsize:
+        raise ValueError(f"Int4Halves prepared in {w.even.dtype} cannot serve {x.dtype} activations (prepare again)")
+    # float32 -> bfloat16 is the formula's one rounding; the barrier makes the dots see materialized halves,
+    # whether computed here or prepared, so both give the same bits
+    even, odd = jax.lax.optimization_barrier((w.even.astype(x.dtype), w.odd.astype(x.dtype)))
+    dims = (((1,), (1,)), ((), ()))  # x [M, K // 2] . halves [N, K // 2] over K // 2
+    dot = jax.lax.dot_general(x[:, 0::2], even, dims, preferred_element_type=jnp.float32)
+    return dot + jax.lax.dot_general(x[:, 1::2], odd, dims, preferred_element_type=jnp.float32)
+
+
+def _is_int4(w) -> bool:
+    return isinstance(w, Int4Weight)
+
+
+def prepare_reference(params, dtype):
+    """params with every Int4Weight replaced by its Int4Halves in `dtype` (the activation dtype), for the
+    reference backend: the row-tile and prefill products give the same bits, without dequantizing per call."""
+    halves = lambda w: Int4Halves(*dequantize_halves(w, dtype)) if _is_int4(w) else w  # noqa: E731
+    return jax.tree.map(halves, params, is_leaf=_is_int4)
+
+
+def prepared_nbytes(params, dtype) -> int:
+    """Bytes the Int4Halves of `prepare_reference(params, dtype)` take (the int4 weights' extra memory)."""
+    leaves = jax.tree.leaves(params, is_leaf=_is_int4)
+    return sum(w.shape[0] * w.shape[1] * jnp.dtype(dtype).itemsize for w in leaves if _is_int4(w))
+
+
+def reference_prep_fits(params, dtype, fraction: float = 0.25) -> bool:
+    """Whether the prepared halves take at most `fraction` of this machine's physical memory."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return prepared_nbytes(params, dtype) <= fraction * physical

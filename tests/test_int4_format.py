@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.int4 import BLOCK, Int4Weight, dequantize, pack, quantize, unpack_codes
+from pallas_kernels.int4 import BLOCK, Int4Weight, dequantize, dequantize_halves, pack, quantize, unpack_codes
 
 
 def _codes(rng, n, k):
@@ -45,6 +45,10 @@ def test_dequantize_matches_formula_bitwise(dtype, symmetric):
     assert got.dtype == want.dtype and got.shape == (k, n)
     bits = np.uint32 if dtype == jnp.float32 else np.uint16
     assert np.array_equal(got.view(bits), want.view(bits))
+    even, odd = (np.asarray(h) for h in dequantize_halves(pack(q, s, z), dtype))  # [N, K / 2] each
+    assert even.shape == odd.shape == (n, k // 2)
+    assert np.array_equal(even.view(bits), want[0::2].T.view(bits))
+    assert np.array_equal(odd.view(bits), want[1::2].T.view(bits))
 
 
 def test_quantize_symmetric_error_bound():

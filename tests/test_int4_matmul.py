@@ -1,15 +1,20 @@
 """Row-tile matmul kernel (pallas_kernels.int4_matmul) in Pallas interpret mode on CPU: row-exactness across M,
-agreement with the jnp reference, shape handling; plus a GPU exactness check when a GPU is present."""
+agreement with the jnp reference, shape handling; plus a GPU exactness check when a GPU is present. The jnp
+reference product (pallas_kernels.matmul): row-exactness, prepared Int4Halves giving the same bits."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jspec
+from jspec import engine as engine_module
 from jspec.exactness import bits
+from jspec.models import quantize_linears
 from pallas_kernels import backend, int4_matmul
-from pallas_kernels.int4 import quantize
-from pallas_kernels.matmul import linear, reference_rows_matmul
+from pallas_kernels.int4 import Int4Weight, dequantize, quantize
+from pallas_kernels.matmul import Int4Halves, linear, prepare_reference, prepared_nbytes, reference_rows_matmul
+from tests.tiny import ScriptDrafter, tiny_config, tiny_params
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -141,3 +146,83 @@ def test_gpu_row_exact(kind):
     _assert_row_exact(ys, ms)
     ref = np.asarray(reference_rows_matmul(x, w))
     np.testing.assert_allclose(ys[-1], ref, rtol=0, atol=1e-4 * np.max(np.abs(ref)))
+
+
+# ------------------------------------------------------------------ jnp reference product and prepared halves
+def _reference_all_m(w, x, ms):
+    f = jax.jit(lambda x, w: [reference_rows_matmul(x[:m], w) for m in ms])
+    return [np.asarray(y) for y in f(x, w)]
+
+
+@pytest.mark.parametrize("kind", ["int4_sym", "int4_asym"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_reference_row_exact_every_m_and_prepared_same_bits(kind, dtype):
+    """Row r of the reference product is the same for every M, with int4 weights and with prepared halves."""
+    x, w = _case(kind, 256, 96, dtype, seed=7)
+    ms = list(range(1, 17))
+    ys = _reference_all_m(w, x, ms)
+    _assert_row_exact(ys, ms)
+    prepared = prepare_reference(w, jnp.float32)  # float32 halves serve bfloat16 activations by one rounding
+    for y, yp in zip(ys, _reference_all_m(prepared, x, ms), strict=True):
+        assert np.array_equal(bits(y), bits(yp))
+    dense = np.asarray(x, np.float32) @ np.asarray(dequantize(w, dtype), np.float32)
+    np.testing.assert_allclose(ys[-1], dense, rtol=0, atol=1e-5 * np.max(np.abs(dense)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_linear_prefill_with_prepared_halves_same_bits(dtype):
+    x, w = _case("int4_asym", 128, 64, dtype, seed=8)
+    xs = jnp.concatenate([x, x[::-1] * 0.5])  # 32 rows: the prefill (M > ROW_TILE) path
+    bias = jnp.linspace(-1.0, 1.0, 64)
+    f = jax.jit(lambda x, w: linear(x, w, bias, out_dtype=jnp.float32))
+    prepared = prepare_reference(w, dtype)
+    for rows in (xs, xs[:5]):
+        assert np.array_equal(bits(f(rows, w)), bits(f(rows, prepared)))
+    dense = np.asarray(xs, np.float32) @ np.asarray(dequantize(w, dtype), np.float32) + np.asarray(bias)
+    np.testing.assert_allclose(np.asarray(f(xs, w)), dense, rtol=0, atol=1e-5 * np.max(np.abs(dense)))
+
+
+def test_prepared_halves_errors_and_sizes():
+    x, w = _case("int4_sym", 64, 32, jnp.float32, seed=9)
+    params = {"w": w, "norm": jnp.ones((64,))}
+    prepared = prepare_reference(params, jnp.bfloat16)
+    assert isinstance(prepared["w"], Int4Halves) and prepared["w"].shape == (64, 32)
+    assert prepared["norm"] is params["norm"]
+    assert prepared_nbytes(params, jnp.bfloat16) == prepared["w"].nbytes == 64 * 32 * 2
+    with pytest.raises(ValueError, match="cannot serve float32"):
+        reference_rows_matmul(x[:2], prepared["w"])
+    with backend.use_backend("interpret"), pytest.raises(ValueError, match="'reference' kernel backend"):
+        linear(x[:2], prepared["w"])
+
+
+def test_engine_prepared_weights_same_tokens():
+    """Engine(prepare=True) runs on Int4Halves and gives the tokens of Engine(prepare=False), greedy and
+    speculative."""
+    cfg = tiny_config("qwen2")
+    params = quantize_linears(tiny_params(cfg, jnp.float32, seed=3), lm_head=False)
+    assert isinstance(params["layers"][0]["down"], Int4Weight)
+    prompt = [5, 17, 42, 5, 17]
+    runs = {}
+    for prepare in (False, True):
+        eng = jspec.Engine(params, cfg, max_len=48, k=3, prepare=prepare)
+        assert eng.prepared == prepare
+        greedy = eng.generate(prompt, 24).tokens
+        spec = eng.generate(prompt, 24, drafter=ScriptDrafter(tuple(prompt + greedy))).tokens
+        assert spec == greedy
+        runs[prepare] = greedy
+    assert runs[True] == runs[False]
+
+
+def test_engine_warns_when_the_prepared_copy_does_not_fit(monkeypatch):
+    """The automatic choice never falls back silently: too little memory for the halves -> a warning, per-step
+    dequantization, same tokens."""
+    cfg = tiny_config("qwen2")
+    params = quantize_linears(tiny_params(cfg, jnp.float32, seed=3), lm_head=False)
+    monkeypatch.setattr(engine_module, "reference_prep_fits", lambda *a, **k: False)
+    with pytest.warns(UserWarning, match="dequantized in every step"):
+        eng = jspec.Engine(params, cfg, max_len=32, k=2)
+    assert not eng.prepared
+    assert (
+        eng.generate([5, 17, 42], 6).tokens
+        == jspec.Engine(params, cfg, max_len=32, k=2, prepare=True).generate([5, 17, 42], 6).tokens
+    )
