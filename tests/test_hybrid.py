@@ -185,17 +185,25 @@ def test_commit_selects_the_post_state():
         assert np.array_equal(bits(got), bits(expect))
 
 
-@pytest.mark.parametrize("backend", ["reference", "interpret"])
-def test_gdn_rows_row_invariant(backend):
-    """One call over 16 rows == 16 one-row calls chained through slot 0, bit for bit; kernel == reference."""
-    rng = np.random.default_rng(1)
-    r, h, dk, dv = ROW_TILE, 4, 16, 32
+def _gdn_inputs(seed: int, h: int = 4, dk: int = 16, dv: int = 32):
+    """Random gdn_rows inputs for a full row tile: (states [R, h, dk, dv], q, k [R, h, dk], v [R, h, dv], g, beta
+    [R, h]), float32, q/k L2-normalised (q scaled by dk**-0.5), g <= 0, beta in (0, 1)."""
+    rng = np.random.default_rng(seed)
+    r = ROW_TILE
     states = jnp.asarray(rng.normal(size=(r, h, dk, dv)), jnp.float32)
     q = l2_normalize(jnp.asarray(rng.normal(size=(r, h, dk)), jnp.float32)) * dk**-0.5
     k = l2_normalize(jnp.asarray(rng.normal(size=(r, h, dk)), jnp.float32))
     v = jnp.asarray(rng.normal(size=(r, h, dv)), jnp.float32)
     g = -jnp.asarray(rng.uniform(0, 0.5, (r, h)), jnp.float32)
     beta = jnp.asarray(rng.uniform(0, 1, (r, h)), jnp.float32)
+    return states, q, k, v, g, beta
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_gdn_rows_row_invariant(backend):
+    """One call over 16 rows == 16 one-row calls chained through slot 0, bit for bit; kernel == reference."""
+    r = ROW_TILE
+    states, q, k, v, g, beta = _gdn_inputs(1)
     with use_backend(backend):  # the backend is read at trace time: a fresh jit per backend
         run = jax.jit(lambda *args: gdn_rows(*args[:7], args[7]), static_argnums=7)
         all_states, all_out = run(states, 5, q, k, v, g, beta, r)
@@ -219,14 +227,7 @@ def test_gdn_rows_bits_do_not_depend_on_a_known_slot(backend, rows):
 
     Without the barrier on the row count, interpret mode saw a trip count of 1, inlined the row loop and contracted
     the other product of exp(g) S + k u^T into an FMA on XLA:CPU."""
-    rng = np.random.default_rng(4)
-    r, h, dk, dv = ROW_TILE, 4, 16, 32
-    states = jnp.asarray(rng.normal(size=(r, h, dk, dv)), jnp.float32)
-    q = l2_normalize(jnp.asarray(rng.normal(size=(r, h, dk)), jnp.float32)) * dk**-0.5
-    k = l2_normalize(jnp.asarray(rng.normal(size=(r, h, dk)), jnp.float32))
-    v = jnp.asarray(rng.normal(size=(r, h, dv)), jnp.float32)
-    g = -jnp.asarray(rng.uniform(0, 0.5, (r, h)), jnp.float32)
-    beta = jnp.asarray(rng.uniform(0, 1, (r, h)), jnp.float32)
+    states, q, k, v, g, beta = _gdn_inputs(4)
     with use_backend(backend):
         traced = jax.jit(lambda s, slot, *a: gdn_rows(s, slot, *a, rows))(states, 0, q, k, v, g, beta)
         known = jax.jit(lambda s, *a: gdn_rows(s, jnp.int32(0), *a, rows))(states, q, k, v, g, beta)
