@@ -47,9 +47,9 @@ def _call(q_hist, k_hist, v_hist, start, m, seed, **kw):
     return np.asarray(attention_kernel.attention(q, k, v, jnp.int32(start), scale=SCALE, interpret=True, **kw))
 
 
-def _check_rows_exact(dtype, positions, ms, s_len=S, hq=HQ, **kw):
+def _check_rows_exact(dtype, positions, ms, s_len=S, hq=HQ, d=D, **kw):
     """Every row of every (M, start) call covering `positions` equals the M=1 call at that row's position."""
-    q_hist, k_hist, v_hist = _history(dtype, s_len=s_len, hq=hq)
+    q_hist, k_hist, v_hist = _history(dtype, s_len=s_len, hq=hq, d=d)
     decode = {t: _call(q_hist, k_hist, v_hist, t, 1, seed=1000 + t, **kw)[0] for t in positions}
     lo, hi = min(positions), max(positions)
     for m in ms:
@@ -165,3 +165,21 @@ def test_rejects_bad_input(q_shape, cache_shape, dtype, match):
     cache = jnp.zeros(cache_shape, dtype)
     with pytest.raises(ValueError, match=match):
         attention_kernel.attention(q, cache, cache, jnp.int32(0), scale=1.0, interpret=True)
+
+
+def test_split_tiles_fit_the_budget_and_keep_the_measured_default():
+    """(block_k, stages) come from the shape: the H200-measured (64, 3) at head_dim 128 bf16, smaller tiles where
+    the q tile and the pipelined K/V blocks would exceed the shared-memory budget, a clear error past it."""
+    assert attention_kernel.split_tiles(128, 128, 2) == (64, 3)
+    for rows, d, size in [(128, 256, 2), (128, 128, 4), (64, 256, 4), (128, 256, 4)]:
+        block_k, stages = attention_kernel.split_tiles(rows, d, size)
+        assert (rows + 2 * stages * block_k) * d * size <= attention_kernel.SMEM_BUDGET
+        assert attention_kernel.SPLIT % block_k == 0 and (block_k, stages) != (64, 3)
+    with pytest.raises(ValueError, match="shared-memory budget"):
+        attention_kernel.split_tiles(1024, 256, 4)
+
+
+def test_rows_exact_with_the_head_dim_256_tiles():
+    """head_dim 256 float32 (64-row tile) takes the (16, 2) tiles: rows stay exact across the split boundary."""
+    assert attention_kernel.split_tiles(4 * ROW_TILE, 256, 4) == (16, 2)
+    _check_rows_exact(jnp.float32, positions=(510, 511, 512, 513), ms=(1, 5, 16), d=256)
