@@ -114,7 +114,10 @@ def _is_int4(w) -> bool:
 def prepare_reference(params, dtype):
     """params with every Int4Weight replaced by its Int4Halves in `dtype` (the activation dtype), for the
     reference backend: the row-tile and prefill products give the same bits, without dequantizing per call."""
-    halves = lambda w: Int4Halves(*dequantize_halves(w, dtype)) if _is_int4(w) else w  # noqa: E731
+
+    def halves(w):
+        return Int4Halves(*dequantize_halves(w, dtype)) if _is_int4(w) else w
+
     return jax.tree.map(halves, params, is_leaf=_is_int4)
 
 
