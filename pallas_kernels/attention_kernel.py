@@ -148,6 +148,11 @@ def split_tiles(rows: int, head_dim: int, itemsize: int) -> tuple[int, int]:
     )
 
 
+def _tile_heads(group: int, fold_heads: bool) -> int:
+    """Query heads per KV head in one program's q tile: padded to a power of 2 when folded into one dot."""
+    return 1 << (group - 1).bit_length() if fold_heads else group
+
+
 def _check_inputs(q, k_cache, v_cache):
     if q.ndim != 3 or k_cache.ndim != 3:
         raise ValueError(f"expected q [M, Hq, D] and caches [S, Hkv, D], got {q.shape} and {k_cache.shape}")
@@ -202,8 +207,7 @@ def attention(
     """
     _check_inputs(q, k_cache, v_cache)
     _, hq, d = q.shape
-    group = hq // k_cache.shape[1]
-    rows = (1 << (group - 1).bit_length() if fold_heads else 1) * ROW_TILE
+    rows = _tile_heads(hq // k_cache.shape[1], fold_heads) * ROW_TILE
     auto_block, auto_stages = split_tiles(rows, d, jnp.dtype(q.dtype).itemsize)
     block_k = auto_block if block_k is None else block_k
     num_stages = auto_stages if num_stages is None else num_stages
@@ -263,7 +267,7 @@ def _attention_tile(
     _, hq, d = q.shape
     s_len, hkv, _ = k_cache.shape
     group = hq // hkv
-    heads = 1 << (group - 1).bit_length() if fold_heads else group  # query heads per KV head, padded when folded
+    heads = _tile_heads(group, fold_heads)
     rows = heads * ROW_TILE
     slices = ((0, rows),) if fold_heads else tuple((g * ROW_TILE, ROW_TILE) for g in range(group))
     n_split = -(-s_len // split)
