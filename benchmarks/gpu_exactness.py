@@ -19,28 +19,34 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
+from benchmarks.hybrid_bench import make_config, make_params  # noqa: E402
 from jspec.exactness import verify_rows_match_decode  # noqa: E402
-from jspec.models import dense, hybrid, quantize_linears  # noqa: E402
-from jspec.models.mtp import init_mtp_params  # noqa: E402
+from jspec.models import dense, quantize_linears  # noqa: E402
 from pallas_kernels import get_backend  # noqa: E402
 
 
 def hybrid_model(weights: str, small: bool):
-    """Qwen3-Next-layout hybrid (3 Gated DeltaNet : 1 gated attention, head_dim 256 unless small) with one MTP
-    layer, random weights."""
-    h, layers, head_dim, inter, vocab = (128, 4, 32, 256, 512) if small else (1024, 4, 256, 2816, 32000)
-    cfg = jspec.ModelConfig(
-        family="qwen3_next", vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_layers=layers,
-        num_heads=8, num_kv_heads=2, head_dim=head_dim, rope=jspec.RopeConfig(partial_rotary_factor=0.25),
-        layer_types=("linear_attention",) * 3 + ("full_attention",), attn_output_gate=True, norm_plus_one=True,
-        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64 if small else 128,
-        linear_value_head_dim=64 if small else 128, linear_conv_kernel_dim=4, num_mtp_layers=1,
-        mtp_layout="qwen3_next",
-    )  # fmt: skip
+    """Qwen3-Next layout (hybrid_bench.make_config: 3 Gated DeltaNet : 1 gated attention, head_dim 256 unless
+    small) with one MTP layer, random weights."""
+    h, head_dim, inter, vocab, linear_dim = (128, 32, 256, 512, 64) if small else (1024, 256, 2816, 32000, 128)
+    cfg = make_config(
+        dict(
+            vocab_size=vocab,
+            hidden_size=h,
+            intermediate_size=inter,
+            num_layers=4,
+            num_heads=8,
+            num_kv_heads=2,
+            head_dim=head_dim,
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+            linear_key_head_dim=linear_dim,
+            linear_value_head_dim=linear_dim,
+        ),  # fmt: skip
+        rope_theta=jspec.RopeConfig().theta,
+    )
     dtype = jnp.float32 if weights == "float32" else jnp.bfloat16
-    params = hybrid.init_params(cfg, jax.random.PRNGKey(0), dtype)
-    params["mtp"] = init_mtp_params(cfg, jax.random.PRNGKey(1), dtype, 1)
-    return cfg, quantize_linears(params) if weights == "int4" else params
+    return cfg, make_params(cfg, dtype, int4=weights == "int4")
 
 
 def model(family: str, weights: str, small: bool):

@@ -78,8 +78,10 @@ TINY_SHAPE = dict(
 )
 
 
-def make_config(tiny: bool, layers: int | None = None) -> ModelConfig:
-    shape = dict(TINY_SHAPE if tiny else FULL_SHAPE)
+def make_config(shape: dict, layers: int | None = None, rope_theta: float = 10_000_000.0) -> ModelConfig:
+    """Qwen3-Next layout (every 4th layer gated attention, the others Gated DeltaNet; one MTP layer) at `shape`
+    (ModelConfig fields, as FULL_SHAPE), `layers` overriding its layer count."""
+    shape = dict(shape)
     if layers:
         shape["num_layers"] = layers
     layer_types = tuple(
@@ -88,7 +90,7 @@ def make_config(tiny: bool, layers: int | None = None) -> ModelConfig:
     return ModelConfig(
         family="qwen3_next",
         **shape,
-        rope=RopeConfig(theta=10_000_000.0, partial_rotary_factor=0.25),
+        rope=RopeConfig(theta=rope_theta, partial_rotary_factor=0.25),
         layer_types=layer_types,
         attn_output_gate=True,
         norm_plus_one=True,
@@ -98,11 +100,11 @@ def make_config(tiny: bool, layers: int | None = None) -> ModelConfig:
     )
 
 
-def make_params(cfg: ModelConfig, dtype) -> dict:
-    """Random params (one MTP layer included) with every linear (and lm_head) quantized to int4."""
+def make_params(cfg: ModelConfig, dtype, int4: bool = True) -> dict:
+    """Random params (one MTP layer included); with int4, every linear (and lm_head) quantized to int4."""
     params = hybrid.init_params(cfg, jax.random.PRNGKey(0), dtype)
     params["mtp"] = init_mtp_params(cfg, jax.random.PRNGKey(1), dtype, cfg.num_mtp_layers)
-    return quantize_linears(params)
+    return quantize_linears(params) if int4 else params
 
 
 def timed_chain(fn, state, iters: int, trials: int) -> tuple[float, object]:
@@ -251,7 +253,7 @@ def main() -> int:
     if args.backend:
         set_backend(args.backend)
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
-    cfg = make_config(args.tiny, args.layers)
+    cfg = make_config(TINY_SHAPE if args.tiny else FULL_SHAPE, args.layers)
     result = dict(
         benchmark="hybrid_steps",
         commit=args.commit,
