@@ -19,6 +19,7 @@ Profile one:     ncu ... python3 benchmarks/int4_variants.py --profile NAME   (o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -101,7 +102,7 @@ def variant_op(kind, block_n=64, block_k=256, split_k=None, num_warps=4, num_sta
         n = w.shape[1]
         xp = jnp.pad(x, ((0, ROW_TILE - m), (0, 0)))
         steps_total = k // block_k
-        s = split_k or (1 if interpret else im.pick_split(n // block_n, steps_total))
+        s = split_k or _split(k, n, block_n, block_k, interpret)
         steps = steps_total // s
         if kind in ("flat", "flatxw"):
             kern = functools.partial(
@@ -150,21 +151,20 @@ def variants(interpret: bool) -> dict:
 
 
 def _with_split(cfg, x, w, interpret):
-    import dataclasses
-
     k, n = w.shape
-    return dataclasses.replace(cfg, split_k=1 if interpret else im.pick_split(n // cfg.block_n, k // cfg.block_k))
+    return dataclasses.replace(cfg, split_k=_split(k, n, cfg.block_n, cfg.block_k, interpret))
+
+
+def _split(k: int, n: int, block_n: int, block_k: int, interpret: bool) -> int:
+    """The split-K factor the module would pick for these tiles (1 in interpret mode)."""
+    return 1 if interpret else im.pick_split(n // block_n, k // block_k)
 
 
 def check_and_time(name, op, weights, x16, ref_bits, repeats) -> dict:
     r = {}
     try:
-        f = jax.jit(lambda x, w: [op(x[:m], w) for m in (1, 5, 16)])
-        y1, y5, y16 = (np.asarray(y) for y in f(x16, weights[0]))
-        r["row_exact"] = bool(
-            np.array_equal(y1.view(np.uint32), y16[:1].view(np.uint32))
-            and np.array_equal(y5.view(np.uint32), y16[:5].view(np.uint32))
-        )
+        r.update(ib.exactness(op, x16, weights[0], (1, 5)))
+        y16 = np.asarray(op(x16, weights[0]))
         r["bits_equal_module"] = bool(np.array_equal(y16.view(np.uint32), ref_bits))
         r["max_abs_diff_module"] = float(np.max(np.abs(y16 - ref_bits.view(np.float32))))
         r["m16_s"] = ib.time_calls(op, x16, weights, repeats)
