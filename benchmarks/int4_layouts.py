@@ -46,6 +46,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 
 from benchmarks import int4_matmul_bench as ib  # noqa: E402
+from benchmarks.int4_variants import split_k_call  # noqa: E402
 from pallas_kernels import int4_matmul as im  # noqa: E402
 from pallas_kernels.backend import ROW_TILE  # noqa: E402
 from pallas_kernels.int4 import BLOCK, Int4Weight  # noqa: E402
@@ -152,20 +153,11 @@ def kmajor_op(mode, block_n, groups, num_warps, num_stages, prefetch=False):
         kern = functools.partial(
             kmajor_kernel, block_n=block_n, groups=groups, steps=total // s, mode=mode, prefetch=prefetch
         )
-        params = None
-        if not INTERPRET:
-            from jax.experimental.pallas import triton as pltriton
-
-            params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-        parts = pl.pallas_call(
-            kern,
-            grid=(n // block_n, s),
-            out_shape=jax.ShapeDtypeStruct((s, ROW_TILE, n), jnp.float32),
-            interpret=INTERPRET,
-            compiler_params=params,
-            name=f"int4_kmajor_{mode}",
-        )(xp if mode == "dup" else im._split_even_odd(xp), pt, st)
-        return jax.lax.optimization_barrier(im._combine(parts))[:m]
+        args = (xp if mode == "dup" else im._split_even_odd(xp), pt, st)
+        triton = (num_warps, num_stages)
+        return split_k_call(
+            kern, n, block_n, s, args, m, interpret=INTERPRET, triton=triton, name=f"int4_kmajor_{mode}"
+        )
 
     return op
 

@@ -110,22 +110,30 @@ def variant_op(kind, block_n=64, block_k=256, split_k=None, num_warps=4, num_sta
             )
         else:
             kern = functools.partial(postscale_kernel, block_n=block_n, groups=block_k // BLOCK, steps=steps)
-        params = None
-        if not interpret:
-            from jax.experimental.pallas import triton as pltriton
-
-            params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-        parts = pl.pallas_call(
-            kern,
-            grid=(n // block_n, s),
-            out_shape=jax.ShapeDtypeStruct((s, ROW_TILE, n), jnp.float32),
-            interpret=interpret,
-            compiler_params=params,
-            name=f"int4_{kind}",
-        )(im._split_even_odd(xp), w.packed, w.scales)
-        return jax.lax.optimization_barrier(im._combine(parts))[:m]
+        triton = (num_warps, num_stages)
+        args = (im._split_even_odd(xp), w.packed, w.scales)
+        return split_k_call(kern, n, block_n, s, args, m, interpret=interpret, triton=triton, name=f"int4_{kind}")
 
     return op
+
+
+def split_k_call(kern, n, block_n, split, args, m, *, interpret, triton, name):
+    """Run a partials kernel on grid (N / block_n, split) -> [split, 16, N] float32, combine the partials in the
+    module's fixed order, then the barrier and the slice to m rows. triton: (num_warps, num_stages)."""
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        params = pltriton.CompilerParams(num_warps=triton[0], num_stages=triton[1])
+    parts = pl.pallas_call(
+        kern,
+        grid=(n // block_n, split),
+        out_shape=jax.ShapeDtypeStruct((split, ROW_TILE, n), jnp.float32),
+        interpret=interpret,
+        compiler_params=params,
+        name=name,
+    )(*args)
+    return jax.lax.optimization_barrier(im._combine(parts))[:m]
 
 
 def module_op(cfg=None, interpret=False):
