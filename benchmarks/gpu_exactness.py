@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
 from benchmarks.hybrid_bench import make_config, make_params  # noqa: E402
+from jspec.engine import prepare_params, prepares_by_default  # noqa: E402
 from jspec.exactness import verify_rows_match_decode  # noqa: E402
 from jspec.models import dense, quantize_linears  # noqa: E402
 from pallas_kernels import get_backend  # noqa: E402
@@ -81,7 +82,7 @@ def main() -> int:
     report = dict(
         jax=jax.__version__, device=jax.devices()[0].device_kind, backend=get_backend(), commit=args.commit, runs=[]
     )
-    plan = [  # (family, weights, k values); the first model and the hybrid also run the end-to-end checks
+    plan = [  # (family, weight kind, k values); the first model and the hybrid also run the end-to-end checks
         ("qwen2", "int4", (1, 3, 7, 15)),
         ("qwen3_next", "int4", (1, 3, 7, 15)),
         ("qwen3_next", "float32", (1, 3)),
@@ -91,13 +92,16 @@ def main() -> int:
         ("glm4", "int4", (1, 15)),
     ]
     all_ok = True
-    for family, weights, ks in plan:
+    for family, kind, ks in plan:
         t0 = time.perf_counter()
-        cfg, params = model(family, weights, args.small)
-        mismatch = verify_rows_match_decode(params, cfg, prompt, tuple(ks), max_len=512)
+        cfg, params = model(family, kind, args.small)
+        dtype = jnp.dtype(params["embed"].dtype).name
+        prepared = prepares_by_default(get_backend())  # check the weights an Engine runs on
+        weights = prepare_params(params, dtype, get_backend()) if prepared else params
+        mismatch = verify_rows_match_decode(weights, cfg, prompt, tuple(ks), max_len=512)
         step_ok = all(not rows for rows in mismatch.values())
         e2e = {}
-        if not report["runs"] or (family == "qwen3_next" and weights == "int4"):
+        if not report["runs"] or (family == "qwen3_next" and kind == "int4"):
             modes = {
                 "lookup_host": dict(drafter=jspec.PromptLookup()),
                 "lookup_gate_host": dict(drafter=jspec.PromptLookup(), gate=jspec.HitDensityGate()),
@@ -111,7 +115,7 @@ def main() -> int:
             # model's greedy text rarely repeats, so prompt lookup drafted in 1 of 96 steps (H200, 2026-11-29) and
             # the gated run never. Prompt + its own greedy continuation + prompt then keeps lookup drafting; a
             # check with no verify round is vacuous and fails.
-            e2e_cfg, e2e_params = model(family, weights, args.small, vocab=E2E_VOCAB)
+            e2e_cfg, e2e_params = model(family, kind, args.small, vocab=E2E_VOCAB)
             engine = jspec.Engine(e2e_params, e2e_cfg, max_len=512, k=7 if not cfg.num_mtp_layers else 3)
             echo = prompt + engine.generate(prompt, 48).tokens + prompt
             greedy = engine.generate(echo, 96).tokens
@@ -125,13 +129,15 @@ def main() -> int:
                 )
         ok = step_ok and all(v["identical"] and not v["vacuous"] for v in e2e.values())
         all_ok &= ok
-        run = dict(family=family, weights=weights, step_mismatches={str(k): v for k, v in mismatch.items()})
+        run = dict(
+            family=family, weights=kind, prepared=prepared, step_mismatches={str(k): v for k, v in mismatch.items()}
+        )
         run.update(step_exact=step_ok, e2e=e2e, ok=ok, seconds=time.perf_counter() - t0)
         report["runs"].append(run)
         with open(args.out, "w") as f:  # rewritten after every model: a run cut short keeps what it measured
             json.dump(report, f, indent=1)
         checks = {k: (v["identical"], v["verify_steps"]) for k, v in e2e.items()}
-        print(f"{family:10s} {weights:9s} step-exact={step_ok} e2e (identical, verify steps)={checks}"
+        print(f"{family:10s} {kind:9s} step-exact={step_ok} e2e (identical, verify steps)={checks}"
               f" {run['seconds']:.0f}s", flush=True)  # fmt: skip
     report["all_exact"] = all_ok
     with open(args.out, "w") as f:

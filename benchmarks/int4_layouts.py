@@ -13,15 +13,12 @@ kmajor (Pallas Triton)  weights transposed once to k-major bytes [K/2, N] and sc
     dequantization), `asm` (the shipped inline PTX), `dup` (one [32, BN] tile with every byte row loaded twice and
     the nibble picked by row parity: one K = 32 dot on un-split x). `_pf` = the next tiles are loaded one step ahead
     by hand (loop carry) instead of by Triton's pipeliner.
-ws (Pallas Mosaic GPU, warp-specialized)  weights prepared once as signed int4 codes (bytes XOR 0x88, so each
-    nibble is q - 8) in natural k order: no even/odd split of x. One TMA warpgroup streams [2 * wg_rows, tile_k]
-    code tiles, [2 * wg_rows, tile_k / 32] scales and [16, tile_k] x tiles through a `stages`-deep ring; two
-    consumer warpgroups each convert wg_rows rows to bf16 with Mosaic's int4 upcast, multiply by the broadcast
-    group scales (one bf16 rounding: the int4.py formula) and issue wgmma with the tokens on N = 16. `relayout`:
-    `cast` loads in the int4 upcast layout and relayouts to the wgmma layout, `direct` loads in the wgmma layout.
-    `wait=1` leaves one wgmma in flight across steps (the pipeline then delays each slot's release one step);
-    `uneven` splits K into near-equal parts when the step count has no good divisor (7B down: 74 steps).
-    GPU only (no interpret mode); every call site compiles separately (~0.6 s each).
+ws (Pallas Mosaic GPU, warp-specialized: `pallas_kernels.int4_ws`, whose docstring describes it) on
+    `Int4Codes` (signed int4 codes, natural k order: no even/odd split of x). Options (`int4_ws.Config`):
+    `relayout` `cast` (int4 upcast layout + relayout to the wgmma layout) or `direct` (codes loaded in the wgmma
+    layout); `wait=1` leaves one wgmma in flight across steps (each slot's release delayed one step); `uneven`
+    splits K into near-equal step ranges when the step count has no good divisor (7B down: 74 steps);
+    `wg_rows` weight rows per consumer warpgroup. GPU only (no interpret mode).
 
 Run on the GPU:  python3 benchmarks/int4_layouts.py --out $OUT/int4_layouts_h200.json --commit SHA
 CPU check:       python benchmarks/int4_layouts.py --smoke   (kmajor variants in interpret mode, tiny shape)
@@ -48,6 +45,7 @@ from jax.experimental import pallas as pl  # noqa: E402
 from benchmarks import int4_matmul_bench as ib  # noqa: E402
 from benchmarks.int4_variants import split_k_call  # noqa: E402
 from pallas_kernels import int4_matmul as im  # noqa: E402
+from pallas_kernels import int4_ws  # noqa: E402
 from pallas_kernels.backend import ROW_TILE  # noqa: E402
 from pallas_kernels.int4 import BLOCK, Int4Weight  # noqa: E402
 
@@ -162,113 +160,10 @@ def kmajor_op(mode, block_n, groups, num_warps, num_stages, prefetch=False):
     return op
 
 
-def ws_weights(w: Int4Weight):
-    """-> (codes int4 [N, K] holding q - 8, scales bf16 [N, K/32]). XLA packs int4 low nibble first, the same k
-    order as the native bytes; XOR 0x88 turns each unsigned code q into the two's-complement nibble of q - 8."""
-    n, half = w.packed.shape
-    signed = jax.lax.bitcast_convert_type(w.packed ^ jnp.uint8(0x88), jnp.int4)  # [N, K/2, 2]
-    return signed.reshape(n, 2 * half), w.scales
-
-
-def ws_matmul(x, wt, *, tile_k=256, stages=4, split=1, wg_rows=64, relayout="cast", wait=0, uneven=False):
-    """x [M <= 16, K] bf16 @ W -> float32 [M, N] with wt = ws_weights(w) (see the module doc)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    codes, scales = wt
-    m, k = x.shape
-    n = codes.shape[0]
-    xp = jnp.pad(x, ((0, ROW_TILE - m), (0, 0)))
-    cta_rows = 2 * wg_rows
-    groups = tile_k // BLOCK
-    steps_total = k // tile_k
-    if k % tile_k or n % cta_rows or not (uneven or steps_total % split == 0):
-        raise ValueError(f"ws_matmul: tile_k={tile_k}, rows={cta_rows}, split={split} do not fit K={k}, N={n}")
-    steps = -(-steps_total // split)
-    code_swizzle, x_swizzle = min(128, tile_k // 2), min(128, tile_k * 2)
-    code_tf = (plgpu.TilingTransform((8, code_swizzle * 2)), plgpu.SwizzleTransform(code_swizzle))
-    x_tf = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-
-    def kernel(x_gmem, c_gmem, s_gmem, o_gmem, o_smem):
-        ni, si, wg = jax.lax.axis_index("n"), jax.lax.axis_index("s"), jax.lax.axis_index("wg")
-        rows = pl.ds(wg * wg_rows, wg_rows)
-        lo = si * steps_total // split
-        count = (si + 1) * steps_total // split - lo
-
-        def kstep(j):  # a short split re-loads its last tile and skips the product (uneven only)
-            return lo + jnp.minimum(j, count - 1)
-
-        def body(idx, c_smem, s_smem, x_smem, acc_ref):
-            if relayout == "cast":
-                q = plgpu.layout_cast(
-                    plgpu.load(c_smem.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X), plgpu.Layout.WGMMA
-                )
-            else:
-                q = plgpu.load(c_smem.at[rows], layout=plgpu.Layout.WGMMA)
-            w = q.astype(jnp.bfloat16)
-            parts = []
-            for g in range(groups):
-                sg = jax.lax.broadcast_in_dim(plgpu.load(s_smem.at[rows, g], layout=row_layout), (wg_rows, BLOCK), [0])
-                parts.append(w[:, g * BLOCK : (g + 1) * BLOCK] * sg)
-            wd = jnp.concatenate(parts, axis=1) if groups > 1 else parts[0]
-            if uneven:
-
-                @pl.when(idx[0] < count)
-                def _():
-                    plgpu.wgmma(acc_ref, wd, x_smem.T)
-
-            else:
-                plgpu.wgmma(acc_ref, wd, x_smem.T)
-            plgpu.wgmma_wait(wait)
-            return acc_ref
-
-        def compute_context(eval_pipeline):
-            def acc_scope(acc_ref):
-                eval_pipeline(acc_ref)
-                plgpu.wgmma_wait(0)
-                o_smem[wg] = acc_ref[...]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[si, pl.ds(ni * cta_rows + wg * wg_rows, wg_rows)])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-            pl.run_scoped(acc_scope, plgpu.ACC((wg_rows, ROW_TILE), jnp.float32))
-
-        plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(steps,),
-            memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec((cta_rows, tile_k), lambda j: (ni, kstep(j)), transforms=code_tf, delay_release=wait),
-                plgpu.BlockSpec((cta_rows, groups), lambda j: (ni, kstep(j)), delay_release=wait),
-                plgpu.BlockSpec((ROW_TILE, tile_k), lambda j: (0, kstep(j)), transforms=x_tf, delay_release=wait),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=stages,
-            compute_context=compute_context,
-        )(c_gmem, s_gmem, x_gmem)
-
-    out = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((split, n, ROW_TILE), jnp.float32),
-        grid=(n // cta_rows, split),
-        grid_names=("n", "s"),
-        num_threads=3,
-        thread_name="wg",
-        scratch_types=dict(o_smem=plgpu.SMEM((2, wg_rows, ROW_TILE), jnp.float32)),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )(xp, codes, scales)
-    return jax.lax.optimization_barrier(im._combine(jnp.swapaxes(out, 1, 2)))[:m]
-
-
 def ws_op(k: int, n: int, **cfg):
-    """ws_matmul with split-K chosen from the shape (uneven: ~264 programs; else the module's pick_split)."""
-    rows, steps = 2 * cfg.get("wg_rows", 64), k // cfg.get("tile_k", 256)
-    if cfg.get("uneven"):
-        split = max(1, min(steps // 2, -(-264 // (n // rows))))
-    else:
-        split = im.pick_split(n // rows, steps)
-    return functools.partial(ws_matmul, split=split, **cfg)
+    """`pallas_kernels.int4_ws.rows_matmul` with this variant's Config and its split-K choice for the shape."""
+    config = int4_ws.Config(**cfg)
+    return functools.partial(int4_ws.rows_matmul, config=config, split=int4_ws.choose_split(k, n, config))
 
 
 KMAJOR = [  # (mode, block_n, groups, warps, stages, prefetch)
@@ -277,9 +172,9 @@ KMAJOR = [  # (mode, block_n, groups, warps, stages, prefetch)
     *[(mode, bn, g, w, s, True) for mode in ("eo", "asm", "dup") for bn, g, w, s in [(128, 2, 4, 1), (256, 1, 4, 2)]],
 ]  # fmt: skip
 WS = {
-    "ws_cast_s4": dict(stages=4),
-    "ws_cast_s6": dict(stages=6),
-    "ws_cast_s4_r128": dict(stages=4, wg_rows=128),
+    "ws_cast_s4": dict(stages=4, relayout="cast"),
+    "ws_cast_s6": dict(stages=6, relayout="cast"),
+    "ws_cast_s4_r128": dict(stages=4, wg_rows=128, relayout="cast"),
     "ws_direct_s4": dict(stages=4, relayout="direct"),
     "ws_direct_s4_wait1": dict(stages=4, relayout="direct", wait=1),
     "ws_direct_s4_wait1_r128": dict(stages=4, relayout="direct", wait=1, wg_rows=128),
@@ -298,7 +193,7 @@ def variants(k: int, n: int) -> dict:
         out[name] = (kmajor_op(mode, bn, g, nw, ns, pf), kmajor_weights)
     if not INTERPRET:
         for name, cfg in WS.items():
-            out[name] = (ws_op(k, n, **cfg), ws_weights)
+            out[name] = (ws_op(k, n, **cfg), int4_ws.prepare_codes)
     return out
 
 

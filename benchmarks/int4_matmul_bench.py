@@ -9,10 +9,11 @@ For each linear shape of Qwen2.5-7B and Qwen2.5-14B (qkv, o, gate_up, down, lm_h
   - torch's int4 kernel `torch.ops.aten._weight_int4pack_mm` (group 32), the peer,
 and reports effective bandwidth = (packed + scale bytes) / time against the roofline measured in the same run: the
 best of torch `x.sum()` and XLA `jnp.sum` over a 2 GB bf16 tensor. Row-exactness (row r bit-identical for every
-M in 1..16) is checked on the GPU for every shape. On the large shapes the Mosaic GPU variant of the kernel is
-timed and checked too. Timing: each measured executable runs the op on R distinct weight copies back to back
-(R * bytes >= 128 MB, twice the 60 MB L2, R <= 8); executables are dispatched 10 at a time and blocked on once, so
-host overhead stays hidden; per-call time is the median over repeats of (batch time / 10 / R).
+M in 1..16) is checked on the GPU for every shape. On the large shapes the warp-specialized Mosaic GPU kernel
+(`pallas_kernels.int4_ws`, on its prepared Int4Codes) is timed and checked too. Timing: each measured
+executable runs the op on R distinct weight copies back to back (R * bytes >= 128 MB, twice the 60 MB L2,
+R <= 8); executables are dispatched 10 at a time and blocked on once, so host overhead stays hidden; per-call
+time is the median over repeats of (batch time / 10 / R).
 torch is timed the same way through a CUDA graph of R calls. The naive dequantize-then-dot is timed at M=1 only.
 `--sweep` times alternative tile configurations of the kernel at M=16 (used to pick the defaults).
 """
@@ -35,7 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jspec.bench import torch_median  # noqa: E402
-from pallas_kernels import int4_matmul  # noqa: E402
+from pallas_kernels import int4_matmul, int4_ws  # noqa: E402
 from pallas_kernels.int4 import BLOCK, Int4Weight, dequantize  # noqa: E402
 
 SHAPES = {  # name: (K, N) of x[M, K] @ W[K, N]
@@ -56,8 +57,7 @@ SHAPES = {  # name: (K, N) of x[M, K] @ W[K, N]
 }
 MS = (1, 8, 16)
 TARGET_BYTES = 128 << 20  # weight copies per timed executable: at least 2x the 60 MB L2 ...
-MAX_COPIES = 8  # ... but at most 8 call sites (Mosaic GPU compiles each call site separately)
-MOSAIC = int4_matmul.Config(block_n=64, block_k=256, num_stages=6, kernel="mosaic")  # the Mosaic GPU variant
+MAX_COPIES = 8  # ... but at most 8 call sites
 
 
 def wall(fn, repeats: int) -> float:
@@ -143,6 +143,11 @@ def kernel_op(cfg):
     return lambda x, w: int4_matmul.rows_matmul(x, w, interpret=INTERPRET, config=cfg)
 
 
+def mosaic_op(x, w: int4_ws.Int4Codes):
+    """The warp-specialized Mosaic GPU kernel (default Config) on prepared codes."""
+    return int4_ws.rows_matmul(x, w)
+
+
 def naive_op(x, w):
     return jnp.dot(x, dequantize(w, x.dtype), preferred_element_type=jnp.float32)
 
@@ -185,7 +190,7 @@ def n_copies(nbytes: int) -> int:
 
 def bench_shape(key, k, n, variants: dict, sweep: dict, repeats: int, peers: bool) -> dict:
     """Time (and check) the kernel variants at each M, sweep configs at M=16 only, and the peers. `variants` maps
-    a name to (op, the M values of its exactness check)."""
+    a name to (op, the M values of its exactness check, the one-time weight preparation the op takes)."""
     nbytes = int4_bytes(k, n)
     copies = n_copies(nbytes)
     weights = random_weights(key, k, n, copies)
@@ -193,17 +198,19 @@ def bench_shape(key, k, n, variants: dict, sweep: dict, repeats: int, peers: boo
     ref = np.asarray(naive_op(x16, weights[0]))
     res = {"K": k, "N": n, "bytes": nbytes, "copies": copies, "variants": {}}
     outputs = {}
-    ops = {**{name: op for name, (op, _) in variants.items()}, **sweep}
+    ops = {**{name: op for name, (op, _, _) in variants.items()}, **sweep}
     for name, op in ops.items():
         r = {}
         try:
+            ws = [variants[name][2](w) for w in weights] if name in variants else weights
             if name in variants:
-                r.update(exactness(op, x16, weights[0], variants[name][1]))
-            y = np.asarray(op(x16, weights[0]))
+                r.update(exactness(op, x16, ws[0], variants[name][1]))
+            y = np.asarray(op(x16, ws[0]))
             outputs[name] = y
             r["max_abs_err_vs_naive"] = float(np.max(np.abs(y - ref)))
             for m in MS if name in variants else (16,):
-                r[f"m{m}_s"] = time_calls(op, x16[:m], weights, repeats)
+                r[f"m{m}_s"] = time_calls(op, x16[:m], ws, repeats)
+            del ws
         except Exception as e:
             r["error"] = "".join(traceback.format_exception_only(e))[-2000:]
         res["variants"][name] = r
@@ -283,12 +290,11 @@ def main():
     results = {}
     key = jax.random.key(0)
     for model, lin, (k, n) in shapes:
-        variants = {"pallas_auto": (kernel_op(None), tuple(range(1, 17)))}
-        if not args.no_mosaic and (n >= 16384 or k >= 8192):  # the large shapes, where the kernel choice matters
-            mosaic = dataclasses.replace(MOSAIC, split_k=int4_matmul.pick_split(n // 64, k // 256))
-            variants[config_name(mosaic)] = (kernel_op(mosaic), (1, 2, 5, 8, 12))
+        variants = {"pallas_auto": (kernel_op(None), tuple(range(1, 17)), lambda w: w)}
+        if not args.no_mosaic and int4_ws.fits(k, n) and (n >= 16384 or k >= 8192):  # where the choice matters
+            variants["mosaic_ws"] = (mosaic_op, (1, 2, 5, 8, 12), int4_ws.prepare_codes)
         configs = sweep_configs(k, n) if args.sweep else []
-        sweep = {config_name(c): kernel_op(c) for c in configs if not (args.no_mosaic and c.kernel == "mosaic")}
+        sweep = {config_name(c): kernel_op(c) for c in configs}
         name = f"{model}/{lin}"
         results[name] = bench_shape(key, k, n, variants, sweep, args.repeats, not args.no_peers)
         print("\n".join(summarize({name: results[name]}, roof["roofline_Bps"])[1:]), flush=True)
@@ -303,9 +309,6 @@ def sweep_configs(k: int, n: int) -> list:
     """Alternative kernels and tiles for the sweep (those that fit the shape); split-K as `pick_split` picks it."""
     C = int4_matmul.Config
     cands = [
-        C(block_n=64, block_k=256, num_warps=4, num_stages=4, kernel="mosaic"),
-        C(block_n=128, block_k=256, num_warps=4, num_stages=3, kernel="mosaic"),
-        C(block_n=64, block_k=256, num_warps=4, num_stages=6, kernel="mosaic"),
         C(block_n=32, block_k=256, num_warps=4, num_stages=3),
         C(block_n=64, block_k=128, num_warps=4, num_stages=4),
         C(block_n=32, block_k=256, num_warps=2, num_stages=4),
@@ -320,7 +323,7 @@ def sweep_configs(k: int, n: int) -> list:
 
 
 def config_name(cfg) -> str:
-    return f"{cfg.kernel}_bn{cfg.block_n}_bk{cfg.block_k}_s{cfg.split_k}_w{cfg.num_warps}_st{cfg.num_stages}" + (
+    return f"triton_bn{cfg.block_n}_bk{cfg.block_k}_s{cfg.split_k}_w{cfg.num_warps}_st{cfg.num_stages}" + (
         "" if cfg.fast_dequant else "_jnpdq"
     )
 

@@ -24,7 +24,7 @@ from jspec.config import ModelConfig
 from jspec.gate import HitDensityGate
 from jspec.generate import LoopSettings, decode_round, generate_on_device, prefill_round, verify_round
 from jspec.stats import STOP_REASONS, SpecStats
-from pallas_kernels import get_backend, prepare_reference
+from pallas_kernels import get_backend, prepare_reference, prepare_ws
 from pallas_kernels.matmul import prepared_nbytes, reference_prep_fits
 
 MIN_BUCKET = 16
@@ -40,10 +40,13 @@ class Engine:
     """Compiles and runs generation for one model (params, cfg) with caches of max_len positions.
 
     k: the draft length verified per verify step (1 <= k <= ROW_TILE - 1).
-    prepare: dequantize the int4 weights once (`pallas_kernels.prepare_reference`: same bits, more memory) instead
-      of in every step. None: when the kernel backend is "reference" (CPU), unless the copy would take over a
-      quarter of physical memory (then a warning says so and every step dequantizes). `self.prepared` records
-      the choice.
+    prepare: prepare the int4 weights once for the kernel backend. "reference" (CPU): dequantize them
+      (`pallas_kernels.prepare_reference`: same bits, more memory) instead of in every step; "pallas" (GPU) with
+      bfloat16 activations: hand the wide ones to the warp-specialized Mosaic GPU kernel
+      (`pallas_kernels.prepare_ws`: same memory; 1.3x the Triton kernel on those shapes on the H200, its
+      speed inside a model not yet measured). None: `prepares_by_default` (the reference backend, unless the
+      copy would take over a quarter of physical memory: then a warning says so and every step dequantizes).
+      `self.prepared` records the choice.
     """
 
     def __init__(
@@ -55,9 +58,10 @@ class Engine:
         self.max_len = int(max_len)
         self.k = int(k)
         self.dtype = jnp.dtype(dtype or params["embed"].dtype).name
+        backend = get_backend()
         if prepare is None:
-            prepare = get_backend() == "reference"
-            if prepare and not reference_prep_fits(params, self.dtype):
+            prepare = prepares_by_default(backend)
+            if backend == "reference" and not reference_prep_fits(params, self.dtype):
                 warnings.warn(
                     f"int4 weights are dequantized in every step (slower): their prepared copy "
                     f"({prepared_nbytes(params, self.dtype) / 2**30:.1f} GiB) would take over a quarter of this "
@@ -66,7 +70,7 @@ class Engine:
                 )
                 prepare = False
         self.prepared = bool(prepare)
-        self.params = prepare_reference(params, self.dtype) if self.prepared else params
+        self.params = prepare_params(params, self.dtype, backend) if self.prepared else params
         LoopSettings(max_len=self.max_len, k=self.k)  # validates k
         self._executables: dict[tuple, jax.stages.Compiled] = {}
         self.num_compiles = 0
@@ -237,6 +241,21 @@ class Engine:
         stats.would_hits = int(c.would_hits)
         stats.new_tokens = n_tokens
         stats.stop_reason = STOP_REASONS[stop]
+
+
+def prepares_by_default(backend: str) -> bool:
+    """Whether Engine(prepare=None) prepares the int4 weights for this kernel backend: on the reference backend.
+    The GPU preparation (`prepare_ws`) stays opt-in until it is measured inside a model."""
+    return backend == "reference"
+
+
+def prepare_params(params, dtype: str, backend: str):
+    """The one-time int4 preparation for a kernel backend (see Engine's `prepare`)."""
+    if backend == "reference":
+        return prepare_reference(params, dtype)
+    if backend == "pallas" and dtype == "bfloat16":
+        return prepare_ws(params)
+    raise ValueError(f"prepare=True: no int4 preparation for the {backend!r} kernel backend with {dtype} activations")
 
 
 def _progress_bar(total: int):

@@ -7,10 +7,12 @@ bit for bit, whatever the number of rows M <= ROW_TILE.
 from pallas_kernels.attention import attention, causal_attention
 from pallas_kernels.backend import ROW_TILE, get_backend, set_backend, use_backend
 from pallas_kernels.int4 import Int4Weight, dequantize, pack, quantize
-from pallas_kernels.matmul import Int4Halves, linear, prepare_reference, rows_matmul
+from pallas_kernels.int4_ws import Int4Codes
+from pallas_kernels.matmul import Int4Halves, linear, prepare_reference, prepare_ws, rows_matmul
 
 __all__ = [
     "ROW_TILE",
+    "Int4Codes",
     "Int4Halves",
     "Int4Weight",
     "attention",
@@ -20,6 +22,7 @@ __all__ = [
     "linear",
     "pack",
     "prepare_reference",
+    "prepare_ws",
     "quantize",
     "rows_matmul",
     "set_backend",

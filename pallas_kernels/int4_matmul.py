@@ -17,11 +17,9 @@ scale multiply is one correctly rounded bf16x2 multiply, i.e. exactly `bf16(f32(
 Dense weights (float32 | bfloat16 [K, N]) use the same structure without the dequantization, so dense models stay
 row-exact on the GPU too.
 
-The default kernel is the Triton-lowered one above: it runs on the GPU and, unchanged, in interpret mode on CPU (CI
-tests this very code). `Config(kernel="mosaic")` selects a Mosaic GPU variant of the same algorithm (TMA pipeline,
-wgmma with the weights on the M side; bfloat16 + symmetric only, GPU only); on the H200 it measured about the same
-as the Triton kernel (benchmarks/KERNEL_NOTES.md), so it is opt-in. `choose_config` picks the tiles from the shape
-alone, never from M.
+The kernel is Triton-lowered: it runs on the GPU and, unchanged, in interpret mode on CPU (CI tests this very
+code). `choose_config` picks the tiles from the shape alone, never from M. The warp-specialized Mosaic GPU kernel
+of `pallas_kernels.int4_ws` serves wide weights prepared as `Int4Codes` (opt-in; see its module).
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ HALF = BLOCK // 2  # packed bytes per int4 block of 32 k
 class Config:
     """Tile configuration. block_n: output channels per program; block_k: k per loop step (int4: a multiple of 32);
     split_k: programs along K (combined in a fixed order); num_warps / num_stages: Triton launch parameters;
-    fast_dequant: inline-PTX bfloat16 dequantization (GPU only, bfloat16 activations); kernel: see module doc."""
+    fast_dequant: inline-PTX bfloat16 dequantization (GPU only, bfloat16 activations)."""
 
     block_n: int = 64
     block_k: int = 256
@@ -51,7 +49,6 @@ class Config:
     num_warps: int = 4
     num_stages: int = 3
     fast_dequant: bool = True
-    kernel: str = "triton"  # or "mosaic" (Mosaic GPU: GPU only, bfloat16 activations, symmetric int4)
 
 
 def rows_matmul(x: jax.Array, w, *, interpret: bool, config: Config | None = None) -> jax.Array:
@@ -67,21 +64,14 @@ def rows_matmul(x: jax.Array, w, *, interpret: bool, config: Config | None = Non
         raise ValueError(f"rows_matmul needs float32 or bfloat16 activations, got {x.dtype}")
     if w.shape[0] != k:
         raise ValueError(f"rows_matmul: x has K={k} but the weight is {tuple(w.shape)} ([K, N])")
-    if config is not None and config.kernel not in ("triton", "mosaic"):
-        raise ValueError(f"unknown kernel {config.kernel!r}; choose 'triton' or 'mosaic'")
     xp = jnp.pad(x, ((0, ROW_TILE - m), (0, 0)))
     if isinstance(w, Int4Weight):
         cfg = config or choose_config(k, w.shape[1], int4=True, interpret=interpret)
-        if cfg.kernel == "mosaic":
-            parts = _int4_tile_mosaic(xp, w, cfg, interpret)
-        else:
-            parts = _int4_tile(xp, w, cfg, interpret)
+        parts = _int4_tile(xp, w, cfg, interpret)
     else:
         if w.ndim != 2 or not jnp.issubdtype(w.dtype, jnp.floating):
             raise ValueError(f"rows_matmul: dense weight must be a float [K, N] array, got {w.dtype} {w.shape}")
         cfg = config or choose_config(k, w.shape[1], int4=False, interpret=interpret)
-        if cfg.kernel != "triton":
-            raise ValueError(f"dense weights run on the Triton-lowered kernel only, got kernel={cfg.kernel!r}")
         parts = _dense_tile(xp, w, cfg, interpret)
     y = _combine(parts)
     return jax.lax.optimization_barrier(y)[:m]
@@ -287,82 +277,3 @@ def _dense_kernel(x_ref, w_ref, o_ref, *, block_n, block_k, steps):
         )
 
     o_ref[split, :, cols] = jax.lax.fori_loop(0, steps, step, jnp.zeros((ROW_TILE, block_n), jnp.float32))
-
-
-def _int4_tile_mosaic(xp: jax.Array, w: Int4Weight, cfg: Config, interpret: bool) -> jax.Array:
-    """Mosaic GPU version of `_int4_tile` (bfloat16 x, symmetric int4): -> float32 partials [split_k, 16, N].
-
-    One warpgroup per program owns block_n rows. A TMA pipeline (num_stages deep) streams the packed bytes
-    [block_n, block_k/2] (128B-swizzled), the scales [block_n, block_k/32] and the even/odd x tiles. The bytes are
-    loaded from shared memory straight into the wgmma register layout, widened to 16 bits, turned into bf16 128 + q
-    by OR-ing 0x4300, reduced to q - 8 (exact), scaled per (row, block) with one rounding (the int4 formula) and fed
-    to two wgmmas per step (low nibbles with x_even, high with x_odd): acc[block_n, 16] += W @ x^T in float32.
-    """
-    if interpret:
-        raise ValueError("the Mosaic GPU int4 kernel has no interpret mode; use kernel='triton' on CPU")
-    if xp.dtype != jnp.bfloat16 or w.zeros is not None:
-        raise ValueError("the Mosaic GPU int4 kernel takes bfloat16 activations and symmetric weights only")
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    k, n = w.shape
-    steps = _check_config(cfg, k, n, BLOCK)
-    groups, bn, width = cfg.block_k // BLOCK, cfg.block_n, cfg.block_k // 2
-    if bn % 64 or cfg.block_k != 256:
-        raise ValueError(f"the Mosaic GPU int4 kernel needs block_n % 64 == 0 and block_k == 256, got {cfg}")
-    wgmma, row = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
-    swizzle = plgpu.SwizzleTransform(128)
-
-    def kernel(x_gmem, p_gmem, s_gmem, o_gmem):
-        ni, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
-
-        def body(_, p_smem, s_smem, xe_smem, xo_smem, acc_ref):
-            p = plgpu.load(p_smem, layout=wgmma).astype(jnp.uint16)  # [BN, BK/2] packed bytes
-            scales = [
-                jax.lax.broadcast_in_dim(plgpu.load(s_smem.at[:, c], layout=row), (bn, HALF), [0])
-                for c in range(groups)
-            ]
-            for q, x_smem in ((p & 0xF, xe_smem), (p >> 4, xo_smem)):
-                wq = jax.lax.bitcast_convert_type(q | jnp.uint16(0x4300), jnp.bfloat16) - jnp.bfloat16(136.0)
-                wd = jnp.concatenate([wq[:, c * HALF : (c + 1) * HALF] * scales[c] for c in range(groups)], axis=1)
-                plgpu.wgmma(acc_ref, wd, x_smem.T)
-            plgpu.wgmma_wait(0)
-
-        def acc_scope(acc_ref):
-            k0 = si * steps
-            plgpu.emit_pipeline(
-                lambda idx, *refs: body(idx, *refs, acc_ref),
-                grid=(steps,),
-                in_specs=[
-                    plgpu.BlockSpec(
-                        (bn, width), lambda j: (ni, k0 + j), transforms=(plgpu.TilingTransform((8, 128)), swizzle)
-                    ),
-                    plgpu.BlockSpec((bn, groups), lambda j: (ni, k0 + j)),
-                    plgpu.BlockSpec(
-                        (ROW_TILE, width), lambda j: (0, k0 + j), transforms=(plgpu.TilingTransform((8, 64)), swizzle)
-                    ),
-                    plgpu.BlockSpec(
-                        (ROW_TILE, width), lambda j: (0, k0 + j), transforms=(plgpu.TilingTransform((8, 64)), swizzle)
-                    ),
-                ],
-                max_concurrent_steps=cfg.num_stages,
-            )(p_gmem, s_gmem, x_gmem.at[0], x_gmem.at[1])
-            return acc_ref[...]
-
-        acc = pl.run_scoped(acc_scope, plgpu.ACC((bn, ROW_TILE)))
-
-        def store(o_smem):
-            o_smem[...] = acc
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(ni * bn, bn)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-        pl.run_scoped(store, plgpu.SMEM((bn, ROW_TILE), jnp.float32))
-
-    out = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((cfg.split_k, n, ROW_TILE), jnp.float32),
-        grid=(n // bn, cfg.split_k),
-        grid_names=("n", "s"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )(_split_even_odd(xp), w.packed, w.scales)
-    return jnp.swapaxes(out, 1, 2)

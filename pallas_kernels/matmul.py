@@ -12,6 +12,11 @@ CPU that dequantization dominates a decode step, so `prepare_reference` can do i
 Int4Weight of a params tree by its `Int4Halves` (more memory: 2 or 4 bytes per weight instead of 0.5), and the
 reference product then runs on the stored halves with the same dots, giving the same bits as dequantizing on
 every call.
+
+On the GPU, `prepare_ws` (opt-in: `Engine(prepare=True)`) does the same kind of one-time preparation for the
+wide int4 weights: it replaces them by `Int4Codes` (same bytes, re-biased) served by the warp-specialized Mosaic
+GPU kernel of `pallas_kernels.int4_ws`, faster than the Triton row-tile kernel on those shapes (KERNEL_NOTES.md).
+The jnp reference product takes `Int4Codes` too, with the bits of the `Int4Weight` they came from.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import backend as _backend
 from pallas_kernels.int4 import Int4Weight, dequantize_halves
+from pallas_kernels.int4_ws import Int4Codes, fits, prepare_codes, to_int4_weight
 
 
 @jax.tree_util.register_dataclass
@@ -45,7 +51,7 @@ class Int4Halves:
         return self.even.nbytes + self.odd.nbytes
 
 
-Weight = jax.Array | Int4Weight | Int4Halves
+Weight = jax.Array | Int4Weight | Int4Halves | Int4Codes
 
 
 def linear(x: jax.Array, w: Weight, bias: jax.Array | None = None, *, out_dtype=None) -> jax.Array:
@@ -73,6 +79,12 @@ def rows_matmul(x: jax.Array, w: Weight) -> jax.Array:
         return reference_rows_matmul(x, w)
     if isinstance(w, Int4Halves):
         raise ValueError(f"Int4Halves (prepare_reference) are for the 'reference' kernel backend, not {name!r}")
+    if isinstance(w, Int4Codes):
+        if name != "pallas":  # the jnp reference above serves them too; the Triton kernel does not
+            raise ValueError(f"Int4Codes (prepare_ws) need the GPU 'pallas' kernel backend, not {name!r}")
+        from pallas_kernels import int4_ws
+
+        return int4_ws.rows_matmul(x, w)
     from pallas_kernels import int4_matmul
 
     return int4_matmul.rows_matmul(x, w, interpret=name == "interpret")
@@ -93,6 +105,8 @@ def reference_rows_matmul(x: jax.Array, w: Weight) -> jax.Array:
 
 def _product(x: jax.Array, w: Weight) -> jax.Array:
     """x [M, K] @ W [K, N] -> float32 [M, N]; int4 W as the two nibble-half dots (module docstring)."""
+    if isinstance(w, Int4Codes):
+        w = to_int4_weight(w)
     if isinstance(w, Int4Weight):
         w = Int4Halves(*dequantize_halves(w, x.dtype))
     if not isinstance(w, Int4Halves):
@@ -119,6 +133,21 @@ def prepare_reference(params, dtype):
         return Int4Halves(*dequantize_halves(w, dtype)) if _is_int4(w) else w
 
     return jax.tree.map(halves, params, is_leaf=_is_int4)
+
+
+WS_MIN_N = 16384  # output channels from which prepare_ws hands a weight to the Mosaic GPU kernel
+
+
+def prepare_ws(params):
+    """params with every symmetric Int4Weight of N >= WS_MIN_N output channels (gate_up, lm_head) that fits the
+    Mosaic GPU kernel's tiles replaced by its Int4Codes (same memory). On the H200 that kernel reached 1.3x the
+    Triton row-tile kernel on those shapes and was no faster on the narrower ones (benchmarks/int4_layouts.py)."""
+
+    def codes(w):
+        k, n = w.shape
+        return prepare_codes(w) if w.zeros is None and n >= WS_MIN_N and fits(k, n) else w
+
+    return jax.tree.map(lambda w: codes(w) if _is_int4(w) else w, params, is_leaf=_is_int4)
 
 
 def prepared_nbytes(params, dtype) -> int:

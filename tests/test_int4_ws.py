@@ -1,0 +1,101 @@
+"""Int4Codes, the prepared layout of the warp-specialized Mosaic GPU int4 kernel (pallas_kernels.int4_ws): exact
+codes and round trip, the prefill product, which weights `prepare_ws` hands over, the errors on CPU backends, the
+Engine's choice; plus the kernel's row-exactness when a GPU is present (it has no interpret mode)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+from jspec.exactness import bits
+from pallas_kernels import backend, int4_ws
+from pallas_kernels.int4 import Int4Weight, dequantize, quantize, unpack_codes
+from pallas_kernels.int4_ws import Int4Codes, prepare_codes, to_int4_weight
+from pallas_kernels.matmul import WS_MIN_N, Int4Halves, linear, prepare_ws
+from tests.tiny import tiny_config, tiny_params
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _weight(k, n, seed=0, symmetric=True):
+    rng = np.random.default_rng(seed)
+    return quantize(rng.standard_normal((k, n)).astype(np.float32), symmetric=symmetric)
+
+
+def test_codes_are_q_minus_8_in_k_order_and_round_trip():
+    w = _weight(256, 64, seed=1)
+    c = prepare_codes(w)
+    assert c.codes.dtype == jnp.int4 and c.codes.shape == (64, 256) and c.shape == w.shape
+    q = np.asarray(unpack_codes(w), np.int32)
+    assert np.array_equal(np.asarray(c.codes.astype(jnp.int32)), q - 8)
+    assert c.nbytes == w.nbytes
+    back = to_int4_weight(c)
+    assert np.array_equal(np.asarray(back.packed), np.asarray(w.packed))
+    assert np.array_equal(bits(back.scales), bits(w.scales)) and back.zeros is None
+
+
+def test_asymmetric_weights_are_refused():
+    with pytest.raises(ValueError, match="symmetric int4 weights only"):
+        prepare_codes(_weight(64, 32, symmetric=False))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_prefill_product_on_codes_has_the_bits_of_the_int4_weight(dtype):
+    w = _weight(128, 64, seed=2)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((24, 128)), dtype)  # M > ROW_TILE: prefill path
+    f = jax.jit(lambda x, w: linear(x, w, out_dtype=jnp.float32))
+    assert np.array_equal(bits(f(x, w)), bits(f(x, prepare_codes(w))))
+
+
+def test_row_tile_path_reference_serves_codes_interpret_refuses():
+    """The jnp reference product takes Int4Codes (same bits as the Int4Weight); the Triton kernel does not."""
+    w = _weight(256, 128, seed=10)
+    x = jnp.asarray(np.random.default_rng(11).standard_normal((3, 256)), jnp.bfloat16)
+    f = jax.jit(lambda x, w: linear(x, w, out_dtype=jnp.float32))
+    with backend.use_backend("reference"):
+        assert np.array_equal(bits(f(x, w)), bits(f(x, prepare_codes(w))))
+    with backend.use_backend("interpret"), pytest.raises(ValueError, match="need the GPU 'pallas' kernel backend"):
+        linear(x, prepare_codes(w))
+
+
+def test_prepare_ws_takes_the_wide_symmetric_weights_only():
+    params = {
+        "gate_up": _weight(256, WS_MIN_N, seed=4),
+        "down": _weight(256, 512, seed=5),  # too narrow
+        "asym": _weight(256, WS_MIN_N, seed=6, symmetric=False),
+        "odd_k": _weight(96, WS_MIN_N, seed=7),  # K not a multiple of the 256-k tile
+        "norm": jnp.ones((8,)),
+    }
+    out = prepare_ws(params)
+    assert isinstance(out["gate_up"], Int4Codes)
+    assert all(isinstance(out[k], Int4Weight) for k in ("down", "asym", "odd_k"))
+    assert out["norm"] is params["norm"]
+
+
+def test_engine_prepares_for_its_backend():
+    cfg = tiny_config("qwen2")
+    params = jspec.models.quantize_linears(tiny_params(cfg, jnp.float32, seed=3), lm_head=False)
+    eng = jspec.Engine(params, cfg, max_len=32, k=2)  # CPU: the reference backend's halves
+    assert eng.prepared and isinstance(eng.params["layers"][0]["down"], Int4Halves)
+    with backend.use_backend("interpret"):
+        assert not jspec.Engine(params, cfg, max_len=32, k=2).prepared
+        with pytest.raises(ValueError, match="no int4 preparation for the 'interpret' kernel backend"):
+            jspec.Engine(params, cfg, max_len=32, k=2, prepare=True)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
+@pytest.mark.parametrize("config", [int4_ws.Config(), int4_ws.Config(uneven=True)])
+def test_gpu_row_exact_and_close_to_the_reference(config):
+    k, n = 1280, 512  # 5 K steps: uneven splits
+    w = _weight(k, n, seed=8)
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((16, k)), jnp.bfloat16)
+    c = prepare_codes(w)
+    ms = list(range(1, 17))
+    split = 3 if config.uneven else 5
+    f = jax.jit(lambda x, c: [int4_ws.rows_matmul(x[:m], c, config=config, split=split) for m in ms])
+    ys = [np.asarray(y) for y in f(x, c)]
+    for m, y in zip(ms, ys, strict=True):
+        assert np.array_equal(bits(y), bits(ys[-1][:m])), f"row mismatch between M={m} and M=16"
+    dense = np.asarray(x, np.float32) @ np.asarray(dequantize(w, jnp.bfloat16), np.float32)
+    np.testing.assert_allclose(ys[-1], dense, rtol=0, atol=1e-4 * np.max(np.abs(dense)))
