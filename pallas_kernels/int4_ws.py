@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.backend import ROW_TILE
 from pallas_kernels.int4 import BLOCK, Int4Weight
+from pallas_kernels.int4_matmul import _combine, pick_split
 
 
 @jax.tree_util.register_dataclass
@@ -84,8 +85,6 @@ def fits(k: int, n: int, cfg: Config = Config()) -> bool:
 
 def choose_split(k: int, n: int, cfg: Config) -> int:
     """Split-K from the shape: uneven, ~264 CTAs (2 per SM of 132); else the row-tile module's divisor rule."""
-    from pallas_kernels.int4_matmul import pick_split
-
     rows, steps = 2 * cfg.wg_rows, k // cfg.tile_k
     if cfg.uneven:
         return max(1, min(steps // 2, -(-264 // (n // rows))))
@@ -105,10 +104,7 @@ def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None, spl
         raise ValueError(f"Int4Codes {w.shape} (K, N) do not fit x K={k} or the kernel tiles {cfg}")
     split = split or choose_split(k, n, cfg)
     parts = _tile(jnp.pad(x, ((0, ROW_TILE - m), (0, 0))), w.codes, w.scales, cfg=cfg, split=split)
-    y = parts[0]
-    for s in range(1, split):  # fixed order, M-independent shapes
-        y = y + parts[s]
-    return jax.lax.optimization_barrier(y)[:m]
+    return jax.lax.optimization_barrier(_combine(parts))[:m]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "split"))
