@@ -143,11 +143,6 @@ def kernel_op(cfg):
     return lambda x, w: int4_matmul.rows_matmul(x, w, interpret=INTERPRET, config=cfg)
 
 
-def mosaic_op(x, w: int4_ws.Int4Codes):
-    """The warp-specialized Mosaic GPU kernel (default Config) on prepared codes."""
-    return int4_ws.rows_matmul(x, w)
-
-
 def naive_op(x, w):
     return jnp.dot(x, dequantize(w, x.dtype), preferred_element_type=jnp.float32)
 
@@ -292,7 +287,7 @@ def main():
     for model, lin, (k, n) in shapes:
         variants = {"pallas_auto": (kernel_op(None), tuple(range(1, 17)), lambda w: w)}
         if not args.no_mosaic and int4_ws.fits(k, n) and (n >= 16384 or k >= 8192):  # where the choice matters
-            variants["mosaic_ws"] = (mosaic_op, (1, 2, 5, 8, 12), int4_ws.prepare_codes)
+            variants["mosaic_ws"] = (int4_ws.rows_matmul, (1, 2, 5, 8, 12), int4_ws.prepare_codes)
         configs = sweep_configs(k, n) if args.sweep else []
         sweep = {config_name(c): kernel_op(c) for c in configs}
         name = f"{model}/{lin}"

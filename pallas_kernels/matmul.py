@@ -125,14 +125,15 @@ def _is_int4(w) -> bool:
     return isinstance(w, Int4Weight)
 
 
+def _map_int4(fn, params):
+    """params with every Int4Weight w replaced by fn(w); every other leaf unchanged."""
+    return jax.tree.map(lambda w: fn(w) if _is_int4(w) else w, params, is_leaf=_is_int4)
+
+
 def prepare_reference(params, dtype):
     """params with every Int4Weight replaced by its Int4Halves in `dtype` (the activation dtype), for the
     reference backend: the row-tile and prefill products give the same bits, without dequantizing per call."""
-
-    def halves(w):
-        return Int4Halves(*dequantize_halves(w, dtype)) if _is_int4(w) else w
-
-    return jax.tree.map(halves, params, is_leaf=_is_int4)
+    return _map_int4(lambda w: Int4Halves(*dequantize_halves(w, dtype)), params)
 
 
 WS_MIN_N = 16384  # output channels from which prepare_ws hands a weight to the Mosaic GPU kernel
@@ -147,7 +148,7 @@ def prepare_ws(params):
         k, n = w.shape
         return prepare_codes(w) if w.zeros is None and n >= WS_MIN_N and fits(k, n) else w
 
-    return jax.tree.map(lambda w: codes(w) if _is_int4(w) else w, params, is_leaf=_is_int4)
+    return _map_int4(codes, params)
 
 
 def prepared_nbytes(params, dtype) -> int:
