@@ -96,7 +96,7 @@ def main() -> int:
         t0 = time.perf_counter()
         cfg, params = model(family, kind, args.small)
         dtype = jnp.dtype(params["embed"].dtype).name
-        prepared = prepares_by_default(get_backend())  # check the weights an Engine runs on
+        prepared = prepares_by_default(get_backend(), dtype)  # check the weights an Engine runs on
         weights = prepare_params(params, dtype, get_backend()) if prepared else params
         mismatch = verify_rows_match_decode(weights, cfg, prompt, tuple(ks), max_len=512)
         step_ok = all(not rows for rows in mismatch.values())

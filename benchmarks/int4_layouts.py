@@ -14,11 +14,10 @@ kmajor (Pallas Triton)  weights transposed once to k-major bytes [K/2, N] and sc
     the nibble picked by row parity: one K = 32 dot on un-split x). `_pf` = the next tiles are loaded one step ahead
     by hand (loop carry) instead of by Triton's pipeliner.
 ws (Pallas Mosaic GPU, warp-specialized: `pallas_kernels.int4_ws`, whose docstring describes it) on
-    `Int4Codes` (signed int4 codes, natural k order: no even/odd split of x). Options (`int4_ws.Config`):
-    `relayout` `cast` (int4 upcast layout + relayout to the wgmma layout) or `direct` (codes loaded in the wgmma
-    layout); `wait=1` leaves one wgmma in flight across steps (each slot's release delayed one step); `uneven`
-    splits K into near-equal step ranges when the step count has no good divisor (7B down: 74 steps);
-    `wg_rows` weight rows per consumer warpgroup. GPU only (no interpret mode).
+    `Int4Codes` (signed int4 codes, natural k order: no even/odd split of x). Options (`int4_ws.Config`): ring
+    `stages`, `ctas` and `min_steps` of the stream-K partition; `divisor` variants instead give one CTA per
+    (tile, divisor split of K), the partition measured before stream-K. (Earlier runs, in the JSON, also measured
+    a `cast` relayout, `wait=1` and an `uneven` split; see KERNEL_NOTES.md.) GPU only (no interpret mode).
 
 Run on the GPU:  python3 benchmarks/int4_layouts.py --out $OUT/int4_layouts_h200.json --commit SHA
 CPU check:       python benchmarks/int4_layouts.py --smoke   (kmajor variants in interpret mode, tiny shape)
@@ -56,6 +55,8 @@ SHAPES = {
     "7b/down": (18944, 3584),
     "14b/gate_up": (5120, 27648),
     "7b/lm_head": (3584, 152064),
+    "7b/o": (3584, 3584),
+    "14b/down": (13824, 5120),
 }
 INTERPRET = False  # --smoke
 
@@ -160,10 +161,14 @@ def kmajor_op(mode, block_n, groups, num_warps, num_stages, prefetch=False):
     return op
 
 
-def ws_op(k: int, n: int, **cfg):
-    """`pallas_kernels.int4_ws.rows_matmul` with this variant's Config and its split-K choice for the shape."""
+def ws_op(k: int, n: int, divisor: bool = False, **cfg):
+    """`pallas_kernels.int4_ws.rows_matmul` with this variant's Config. divisor: instead of the stream-K CTA count,
+    one CTA per (tile, divisor split of K) as before the stream-K partition (the Triton kernel's split rule)."""
     config = int4_ws.Config(**cfg)
-    return functools.partial(int4_ws.rows_matmul, config=config, split=int4_ws.choose_split(k, n, config))
+    if divisor:
+        tiles, steps = n // (2 * config.wg_rows), k // config.tile_k
+        config = int4_ws.Config(**cfg, ctas=tiles * im.pick_split(tiles, steps), min_steps=1)
+    return functools.partial(int4_ws.rows_matmul, config=config)
 
 
 KMAJOR = [  # (mode, block_n, groups, warps, stages, prefetch)
@@ -172,14 +177,12 @@ KMAJOR = [  # (mode, block_n, groups, warps, stages, prefetch)
     *[(mode, bn, g, w, s, True) for mode in ("eo", "asm", "dup") for bn, g, w, s in [(128, 2, 4, 1), (256, 1, 4, 2)]],
 ]  # fmt: skip
 WS = {
-    "ws_cast_s4": dict(stages=4, relayout="cast"),
-    "ws_cast_s6": dict(stages=6, relayout="cast"),
-    "ws_cast_s4_r128": dict(stages=4, wg_rows=128, relayout="cast"),
-    "ws_direct_s4": dict(stages=4, relayout="direct"),
-    "ws_direct_s4_wait1": dict(stages=4, relayout="direct", wait=1),
-    "ws_direct_s4_wait1_r128": dict(stages=4, relayout="direct", wait=1, wg_rows=128),
-    "ws_direct_s4_wait1_uneven": dict(stages=4, relayout="direct", wait=1, uneven=True),
-    "ws_direct_s6_uneven": dict(stages=6, relayout="direct", uneven=True),
+    "ws_divisor_s4": dict(divisor=True),
+    "ws_streamk_s4": dict(),
+    "ws_streamk_s6": dict(stages=6),
+    "ws_streamk_s3_x2": dict(stages=3, ctas=264),
+    "ws_streamk_min8": dict(min_steps=8),
+    "ws_streamk_min2": dict(min_steps=2),
 }
 
 

@@ -56,14 +56,14 @@ import numpy as np
 
 from jspec.config import ModelConfig
 from jspec.drafters import PromptLookup
-from jspec.engine import Engine
+from jspec.engine import Engine, prepare_params, prepares_by_default
 from jspec.exactness import forced_decode_logits, mismatched_rows
 from jspec.gate import HitDensityGate
 from jspec.models import dense, quantize_linears
 from jspec.state import init_state, physical_length
 from jspec.stats import common_prefix
 from jspec.steps import commit, decode_step, verify_step
-from pallas_kernels import ROW_TILE, Int4Weight, get_backend, quantize
+from pallas_kernels import ROW_TILE, Int4Codes, Int4Halves, Int4Weight, get_backend, quantize
 
 SCHEMA = 1
 SECTIONS = ("roofline", "steps", "e2e", "other_steps", "peer")
@@ -189,6 +189,7 @@ class Options:
     lm_head: str = "int4"
     o_factor: float = 0.0
     compile_threads: int = 4
+    prepare: str = "auto"  # int4 preparation of the timed weights: auto (Engine's default), on, off
     seed: int = 0
 
 
@@ -210,6 +211,11 @@ def parse_args(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
     ap.add_argument("--lm-head", choices=["int4", "bf16"], help="lm_head format of the random models (default int4)")
     ap.add_argument("--o-factor", type=float, help="e2e: attention output scale (default 0: Markov model)")
     ap.add_argument("--compile-threads", type=int, help="executables compiled concurrently (default 4)")
+    ap.add_argument(
+        "--prepare",
+        choices=["auto", "on", "off"],
+        help="one-time int4 preparation of the timed weights (default auto: what Engine does by default)",
+    )
     ap.add_argument("--readme-table", metavar="RESULTS.json", help="print the README markdown table of a results JSON")
     ap.add_argument("--replot", metavar="RESULTS.json", help="draw the plots of a results JSON into --plots")
     args = ap.parse_args(argv)
@@ -238,7 +244,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
         opts.models = _names(args.models, ALL_MODELS, "--models")
     if args.sections:
         opts.sections = _names(args.sections, SECTIONS, "--sections")
-    fields = ("out", "plots", "budget_s", "commit", "k", "new_tokens", "repeats", "lm_head", "o_factor")
+    fields = ("out", "plots", "budget_s", "commit", "k", "new_tokens", "repeats", "lm_head", "o_factor", "prepare")
     for field in (*fields, "compile_threads"):
         value = getattr(args, field)
         if value is not None:
@@ -401,7 +407,9 @@ def scale_attention_output(params: dict, factor: float) -> dict:
 
 
 def tree_nbytes(tree) -> int:
-    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Int4Weight))
+    """Bytes of a params tree; int4 weights (native or prepared) count their own `nbytes` (jax counts an int4
+    array's elements as whole bytes)."""
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, (Int4Weight, Int4Codes, Int4Halves)))
     return int(sum(x.nbytes for x in leaves))
 
 
@@ -588,8 +596,13 @@ def _time_chain(fn, params, state, extra: tuple, reps: int, trials: int):
 
 
 def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: tuple[int, ...], entry: dict) -> None:
-    """decode_step and verify_step(k) costs of one model at position opts.context, and the bitwise check."""
+    """decode_step and verify_step(k) costs of one model at position opts.context, and the bitwise check; with
+    prepared int4 weights (--prepare) also the decode step on the weights as loaded, for the ratio."""
     opts = ctx.opts
+    dtype = jnp.dtype(params["embed"].dtype).name
+    prepared = prepares_by_default(get_backend(), dtype) if opts.prepare == "auto" else opts.prepare == "on"
+    entry["prepared"] = prepared
+    raw, params = params, prepare_params(params, dtype, get_backend()) if prepared else params
     max_len = opts.context + 2 * ROW_TILE
     base = random_state(cfg, max_len, opts.context, params["embed"].dtype, opts.seed + 1)
     rng = np.random.default_rng(opts.seed + 2)
@@ -601,6 +614,8 @@ def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: t
         lowered[f"verify{k}"] = fn.lower(params, base, jnp.asarray(drafts[k]))
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     lowered["commit"] = jax.jit(commit, donate_argnums=0).lower(base, scalar, scalar)
+    if prepared:
+        lowered["decode_unprepared"] = jax.jit(functools.partial(_decode, cfg=cfg), donate_argnums=1).lower(raw, base)
     entry["lower_s"] = time.perf_counter() - t0
     before = ctx.compiles.count
     built = run_parallel({key: low.compile for key, low in lowered.items()}, opts.compile_threads)
@@ -617,10 +632,10 @@ def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: t
     entry.update(context=opts.context, roofline_Bps=roof, compiles_during_timing=0)
     nbytes = step_bytes(params, cfg, base, ROW_TILE)  # decode and verify run the same row tile: same bytes
 
-    def timed(exec_, extra: tuple) -> dict:
+    def timed(exec_, extra: tuple, weights=params) -> dict:
         state = copy_tree(base)
         count = ctx.compiles.count
-        seconds, times = _time_chain(exec_, params, state, extra, opts.reps, opts.trials)
+        seconds, times = _time_chain(exec_, weights, state, extra, opts.reps, opts.trials)
         entry["compiles_during_timing"] += ctx.compiles.count - count
         out = {"time_s": seconds, "trial_times_s": times, "bytes": nbytes, "achieved_Bps": nbytes["total"] / seconds}
         if roof:
@@ -631,6 +646,10 @@ def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: t
     entry["decode"] = timed(execs["decode"], ())
     decode_s = entry["decode"]["time_s"]
     print(f"  {name} decode {decode_s * 1e3:.3f} ms {_pct(entry['decode'])}", flush=True)
+    if prepared:
+        raw_entry = entry["decode_unprepared"] = timed(execs["decode_unprepared"], (), raw)
+        raw_entry["prepared_speedup"] = raw_entry["time_s"] / decode_s
+        print(f"  {name} decode on unprepared weights {raw_entry['time_s'] * 1e3:.3f} ms {_pct(raw_entry)}")
     entry["verify"] = {}
     for k in ks:
         v = timed(execs[f"verify{k}"], (jnp.asarray(drafts[k]),))
@@ -834,7 +853,9 @@ def section_e2e(ctx: Context, sec: dict) -> None:
     sec.update(o_factor=opts.o_factor, k=k, new_tokens=n, random_prompt_len=plen, prompt_len=length, max_len=max_len)
     rng = np.random.default_rng(opts.seed + 3)
     p, filler = random_filler(rng, cfg.vocab_size, plen, n, length)
-    engines = {c[0]: Engine(params, cfg, max_len=max_len, k=k) for c in configs}
+    prepare = None if opts.prepare == "auto" else opts.prepare == "on"
+    engines = {c[0]: Engine(params, cfg, max_len=max_len, k=k, prepare=prepare) for c in configs}
+    sec["prepared"] = next(iter(engines.values())).prepared
     kwargs = {c[0]: _run_kwargs(c) for c in configs}
 
     def run(label: str, prompt: np.ndarray):

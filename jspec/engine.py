@@ -42,10 +42,10 @@ class Engine:
     k: the draft length verified per verify step (1 <= k <= ROW_TILE - 1).
     prepare: prepare the int4 weights once for the kernel backend. "reference" (CPU): dequantize them
       (`pallas_kernels.prepare_reference`: same bits, more memory) instead of in every step; "pallas" (GPU) with
-      bfloat16 activations: hand the wide ones to the warp-specialized Mosaic GPU kernel
-      (`pallas_kernels.prepare_ws`: same memory; 1.3x the Triton kernel on those shapes on the H200, its
-      speed inside a model not yet measured). None: `prepares_by_default` (the reference backend, unless the
-      copy would take over a quarter of physical memory: then a warning says so and every step dequantizes).
+      bfloat16 activations: hand the symmetric ones to the warp-specialized Mosaic GPU kernel
+      (`pallas_kernels.prepare_ws`: same memory, faster than the Triton kernel). None: `prepares_by_default`
+      (both of those; on the reference backend not when the copy would take over a quarter of physical memory:
+      then a warning says so and every step dequantizes).
       `self.prepared` records the choice.
     """
 
@@ -60,7 +60,7 @@ class Engine:
         self.dtype = jnp.dtype(dtype or params["embed"].dtype).name
         backend = get_backend()
         if prepare is None:
-            prepare = prepares_by_default(backend)
+            prepare = prepares_by_default(backend, self.dtype)
             if backend == "reference" and not reference_prep_fits(params, self.dtype):
                 warnings.warn(
                     f"int4 weights are dequantized in every step (slower): their prepared copy "
@@ -243,10 +243,10 @@ class Engine:
         stats.stop_reason = STOP_REASONS[stop]
 
 
-def prepares_by_default(backend: str) -> bool:
-    """Whether Engine(prepare=None) prepares the int4 weights for this kernel backend: on the reference backend.
-    The GPU preparation (`prepare_ws`) stays opt-in until it is measured inside a model."""
-    return backend == "reference"
+def prepares_by_default(backend: str, dtype: str) -> bool:
+    """Whether Engine(prepare=None) prepares the int4 weights: on the reference backend, and on the GPU ("pallas")
+    with bfloat16 activations, where the Mosaic GPU kernel (`prepare_ws`) is the faster one."""
+    return backend == "reference" or (backend == "pallas" and dtype == "bfloat16")
 
 
 def prepare_params(params, dtype: str, backend: str):

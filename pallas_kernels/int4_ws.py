@@ -21,11 +21,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels.backend import ROW_TILE
 from pallas_kernels.int4 import BLOCK, Int4Weight
-from pallas_kernels.int4_matmul import _combine, pick_split
+from pallas_kernels.int4_matmul import _combine
 
 
 @jax.tree_util.register_dataclass
@@ -50,16 +51,46 @@ class Int4Codes:
 @dataclasses.dataclass(frozen=True)
 class Config:
     """tile_k: k per pipeline step (256: 128 code bytes per row, one 128B swizzle); stages: ring depth; wg_rows:
-    weight rows per consumer warpgroup (CTA = 2 x wg_rows); relayout: "direct" loads the codes in the wgmma layout,
-    "cast" in the int4 upcast layout and relayouts; wait: wgmma groups left in flight across steps (1 returned NaN
-    with wg_rows 128 on the H200: keep 0); uneven: split K into near-equal step ranges (else a divisor)."""
+    weight rows per consumer warpgroup (a tile = 2 x wg_rows rows); ctas: CTAs of the stream-K partition (None:
+    the device's SM count, one CTA per SM); min_steps: fewest pipeline steps per CTA (small shapes get fewer CTAs)."""
 
     tile_k: int = 256
     stages: int = 4
     wg_rows: int = 64
-    relayout: str = "direct"
-    wait: int = 0
-    uneven: bool = False
+    ctas: int | None = None
+    min_steps: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """Stream-K split of the (tile, k-step) units, a function of the shape and the CTA count only.
+
+    Units u = tile * steps + k_step, tile-major; CTA c takes units [c * units // ctas, (c + 1) * units // ctas).
+    The run of one tile's units inside one CTA is a segment: segment s of a tile is the part computed by its s-th
+    CTA. `segments[t]` is the count for tile t; the partials are summed over s = 0, 1, ... in that order.
+    """
+
+    tiles: int
+    steps: int
+    ctas: int
+
+    @property
+    def units(self) -> int:
+        return self.tiles * self.steps
+
+    @property
+    def per_cta(self) -> int:
+        """Pipeline steps every CTA runs (the CTAs with one unit fewer repeat their last load and skip it)."""
+        return -(-self.units // self.ctas)
+
+    def cta_of(self, unit):
+        """The CTA computing a unit (Python ints, numpy arrays or traced int32 alike)."""
+        return ((unit + 1) * self.ctas - 1) // self.units
+
+    @property
+    def segments(self) -> np.ndarray:
+        t = np.arange(self.tiles)
+        return self.cta_of((t + 1) * self.steps - 1) - self.cta_of(t * self.steps) + 1
 
 
 def prepare_codes(w: Int4Weight) -> Int4Codes:
@@ -83,15 +114,20 @@ def fits(k: int, n: int, cfg: Config = Config()) -> bool:
     return k % cfg.tile_k == 0 and n % (2 * cfg.wg_rows) == 0
 
 
-def choose_split(k: int, n: int, cfg: Config) -> int:
-    """Split-K from the shape: uneven, ~264 CTAs (2 per SM of 132); else the row-tile module's divisor rule."""
-    rows, steps = 2 * cfg.wg_rows, k // cfg.tile_k
-    if cfg.uneven:
-        return max(1, min(steps // 2, -(-264 // (n // rows))))
-    return pick_split(n // rows, steps)
+def sm_count() -> int:
+    """Streaming multiprocessors of the default device (132 on the H200): the default CTA count."""
+    return int(jax.devices()[0].core_count)
 
 
-def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None, split: int | None = None) -> jax.Array:
+def partition(k: int, n: int, cfg: Config) -> Partition:
+    """The stream-K partition of a [K, N] weight: cfg.ctas CTAs (default one per SM), at least cfg.min_steps
+    pipeline steps each, never more CTAs than units."""
+    tiles, steps = n // (2 * cfg.wg_rows), k // cfg.tile_k
+    ctas = cfg.ctas or sm_count()
+    return Partition(tiles, steps, max(1, min(ctas, tiles * steps // cfg.min_steps)))
+
+
+def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> jax.Array:
     """x [M <= 16, K] bfloat16 @ W [K, N] -> float32 [M, N], row-exact in M (GPU only)."""
     cfg = config or Config()
     m, k = x.shape
@@ -102,82 +138,82 @@ def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None, spl
         raise ValueError(f"the Mosaic GPU int4 kernel takes bfloat16 activations, got {x.dtype}")
     if w.shape[0] != k or not fits(k, n, cfg):
         raise ValueError(f"Int4Codes {w.shape} (K, N) do not fit x K={k} or the kernel tiles {cfg}")
-    split = split or choose_split(k, n, cfg)
-    parts = _tile(jnp.pad(x, ((0, ROW_TILE - m), (0, 0))), w.codes, w.scales, cfg=cfg, split=split)
-    return jax.lax.optimization_barrier(_combine(parts))[:m]
+    part = partition(k, n, cfg)
+    parts = _tile(jnp.pad(x, ((0, ROW_TILE - m), (0, 0))), w.codes, w.scales, cfg=cfg, part=part)
+    live = np.repeat(np.arange(parts.shape[0])[:, None] < part.segments[None, :], 2 * cfg.wg_rows, axis=1)
+    return jax.lax.optimization_barrier(_combine(parts, live))[:m]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "split"))
-def _tile(xp, codes, scales, *, cfg: Config, split: int):
-    """Padded x [16, K] -> float32 partials [split, 16, N]. Jitted so each shape is lowered once per executable."""
+@functools.partial(jax.jit, static_argnames=("cfg", "part"))
+def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
+    """Padded x [16, K] -> float32 segment partials [max segments, 16, N] (slots past a tile's segment count are
+    never written). Jitted so each shape is lowered once per executable."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    k = xp.shape[1]
-    n = codes.shape[0]
     tile_k, wg_rows = cfg.tile_k, cfg.wg_rows
-    cta_rows, groups, steps_total = 2 * wg_rows, tile_k // BLOCK, k // tile_k
-    if not cfg.uneven and steps_total % split:
-        raise ValueError(f"split {split} does not divide the {steps_total} K steps (use uneven)")
-    steps = -(-steps_total // split)
+    tile_rows, groups = 2 * wg_rows, tile_k // BLOCK
+    steps, units, ctas = part.steps, part.units, part.ctas
     code_swizzle, x_swizzle = min(128, tile_k // 2), min(128, tile_k * 2)
     code_tf = (plgpu.TilingTransform((8, code_swizzle * 2)), plgpu.SwizzleTransform(code_swizzle))
     x_tf = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def kernel(x_gmem, c_gmem, s_gmem, o_gmem, o_smem):
-        ni, si, wg = jax.lax.axis_index("n"), jax.lax.axis_index("s"), jax.lax.axis_index("wg")
+        c, wg = jax.lax.axis_index("c"), jax.lax.axis_index("wg")
         rows = pl.ds(wg * wg_rows, wg_rows)
-        lo = si * steps_total // split
-        count = (si + 1) * steps_total // split - lo
+        lo = c * units // ctas
+        count = (c + 1) * units // ctas - lo
 
-        def kstep(j):  # a short split re-loads its last tile and skips the product (uneven only)
-            return lo + jnp.minimum(j, count - 1)
+        def unit(j):  # a CTA with one unit fewer repeats its last load and skips the product
+            u = lo + jnp.minimum(j, count - 1)
+            return u // steps, u % steps
 
         def body(idx, c_smem, s_smem, x_smem, acc_ref):
-            if cfg.relayout == "cast":
-                q = plgpu.load(c_smem.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                q = plgpu.layout_cast(q, plgpu.Layout.WGMMA)
-            else:
-                q = plgpu.load(c_smem.at[rows], layout=plgpu.Layout.WGMMA)
+            j = idx[0]
+            t, ks = unit(j)
+            q = plgpu.load(c_smem.at[rows], layout=plgpu.Layout.WGMMA)
             w = q.astype(jnp.bfloat16)
             parts = []
             for g in range(groups):
                 sg = plgpu.load(s_smem.at[rows, g], layout=row_layout)
                 parts.append(w[:, g * BLOCK : (g + 1) * BLOCK] * jax.lax.broadcast_in_dim(sg, (wg_rows, BLOCK), [0]))
             wd = jnp.concatenate(parts, axis=1) if groups > 1 else parts[0]
-            if cfg.uneven:
 
-                @pl.when(idx[0] < count)
-                def _():
-                    plgpu.wgmma(acc_ref, wd, x_smem.T)
+            @pl.when((ks == 0) | (j == 0))  # a segment starts: a fresh accumulator
+            def _():
+                acc_ref[...] = plgpu.layout_cast(jnp.zeros((wg_rows, ROW_TILE), jnp.float32), plgpu.Layout.WGMMA)
 
-            else:
+            @pl.when(j < count)
+            def _():
                 plgpu.wgmma(acc_ref, wd, x_smem.T)
-            plgpu.wgmma_wait(cfg.wait)
+
+            plgpu.wgmma_wait(0)
+
+            @pl.when((j < count) & ((ks == steps - 1) | (j == count - 1)))  # a segment ends: store its partial
+            def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read o_smem
+                o_smem[wg] = acc_ref[...]
+                plgpu.commit_smem()
+                seg = c - part.cta_of(t * steps)
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[seg, pl.ds(t * tile_rows + wg * wg_rows, wg_rows)])
+
             return acc_ref
 
         def compute_context(eval_pipeline):
             def acc_scope(acc_ref):
                 eval_pipeline(acc_ref)
-                plgpu.wgmma_wait(0)
-                o_smem[wg] = acc_ref[...]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[si, pl.ds(ni * cta_rows + wg * wg_rows, wg_rows)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             pl.run_scoped(acc_scope, plgpu.ACC((wg_rows, ROW_TILE), jnp.float32))
 
-        release = cfg.wait
         plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(steps,),
+            grid=(part.per_cta,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec(
-                    (cta_rows, tile_k), lambda j: (ni, kstep(j)), transforms=code_tf, delay_release=release
-                ),
-                plgpu.BlockSpec((cta_rows, groups), lambda j: (ni, kstep(j)), delay_release=release),
-                plgpu.BlockSpec((ROW_TILE, tile_k), lambda j: (0, kstep(j)), transforms=x_tf, delay_release=release),
+                plgpu.BlockSpec((tile_rows, tile_k), unit, transforms=code_tf),
+                plgpu.BlockSpec((tile_rows, groups), unit),
+                plgpu.BlockSpec((ROW_TILE, tile_k), lambda j: (0, unit(j)[1]), transforms=x_tf),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -187,9 +223,9 @@ def _tile(xp, codes, scales, *, cfg: Config, split: int):
 
     out = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((split, n, ROW_TILE), jnp.float32),
-        grid=(n // cta_rows, split),
-        grid_names=("n", "s"),
+        out_type=jax.ShapeDtypeStruct((int(part.segments.max()), part.tiles * tile_rows, ROW_TILE), jnp.float32),
+        grid=(ctas,),
+        grid_names=("c",),
         num_threads=3,
         thread_name="wg",
         scratch_types=dict(o_smem=plgpu.SMEM((2, wg_rows, ROW_TILE), jnp.float32)),

@@ -76,24 +76,41 @@ def test_prepare_ws_takes_the_wide_symmetric_weights_only():
 def test_engine_prepares_for_its_backend():
     cfg = tiny_config("qwen2")
     params = jspec.models.quantize_linears(tiny_params(cfg, jnp.float32, seed=3), lm_head=False)
-    eng = jspec.Engine(params, cfg, max_len=32, k=2)  # CPU: the reference backend's halves
-    assert eng.prepared and isinstance(eng.params["layers"][0]["down"], Int4Halves)
+    with backend.use_backend("reference"):  # the dequantized halves
+        eng = jspec.Engine(params, cfg, max_len=32, k=2)
+        assert eng.prepared and isinstance(eng.params["layers"][0]["down"], Int4Halves)
     with backend.use_backend("interpret"):
         assert not jspec.Engine(params, cfg, max_len=32, k=2).prepared
         with pytest.raises(ValueError, match="no int4 preparation for the 'interpret' kernel backend"):
             jspec.Engine(params, cfg, max_len=32, k=2, prepare=True)
 
 
+@pytest.mark.parametrize("k,n,ctas,min_steps", [(3584, 37888, 132, 4), (18944, 3584, 132, 4), (1280, 512, 7, 1)])
+def test_stream_k_partition_covers_every_unit_once_in_numbered_segments(k, n, ctas, min_steps):
+    part = int4_ws.partition(k, n, int4_ws.Config(ctas=ctas, min_steps=min_steps))
+    seen = np.zeros(part.units, int)
+    slots = set()
+    for c in range(part.ctas):
+        lo, hi = c * part.units // part.ctas, (c + 1) * part.units // part.ctas
+        assert 1 <= hi - lo <= part.per_cta
+        seen[lo:hi] += 1
+        for t in {u // part.steps for u in range(lo, hi)}:  # one segment per tile this CTA touches
+            slots.add((t, c - part.cta_of(t * part.steps)))
+    assert (seen == 1).all()
+    assert slots == {(t, s) for t in range(part.tiles) for s in range(part.segments[t])}
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
-@pytest.mark.parametrize("config", [int4_ws.Config(), int4_ws.Config(uneven=True)])
+@pytest.mark.parametrize(
+    "config", [int4_ws.Config(), int4_ws.Config(ctas=7, min_steps=1), int4_ws.Config(ctas=4, min_steps=1)]
+)
 def test_gpu_row_exact_and_close_to_the_reference(config):
-    k, n = 1280, 512  # 5 K steps: uneven splits
+    k, n = 1280, 512  # 4 tiles x 5 K steps: segments of 1..4 steps, one to three per tile
     w = _weight(k, n, seed=8)
     x = jnp.asarray(np.random.default_rng(9).standard_normal((16, k)), jnp.bfloat16)
     c = prepare_codes(w)
     ms = list(range(1, 17))
-    split = 3 if config.uneven else 5
-    f = jax.jit(lambda x, c: [int4_ws.rows_matmul(x[:m], c, config=config, split=split) for m in ms])
+    f = jax.jit(lambda x, c: [int4_ws.rows_matmul(x[:m], c, config=config) for m in ms])
     ys = [np.asarray(y) for y in f(x, c)]
     for m, y in zip(ms, ys, strict=True):
         assert np.array_equal(bits(y), bits(ys[-1][:m])), f"row mismatch between M={m} and M=16"
