@@ -158,7 +158,7 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
     x_tf = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    def kernel(x_gmem, c_gmem, s_gmem, o_gmem, o_smem):
+    def int4_ws_streamk(x_gmem, c_gmem, s_gmem, o_gmem, o_smem):
         c, wg = jax.lax.axis_index("c"), jax.lax.axis_index("wg")
         rows = pl.ds(wg * wg_rows, wg_rows)
         lo = c * units // ctas
@@ -222,7 +222,7 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
         )(c_gmem, s_gmem, x_gmem)
 
     out = plgpu.kernel(
-        kernel,
+        int4_ws_streamk,
         out_type=jax.ShapeDtypeStruct((int(part.segments.max()), part.tiles * tile_rows, ROW_TILE), jnp.float32),
         grid=(ctas,),
         grid_names=("c",),
