@@ -13,9 +13,10 @@ Int4Weight of a params tree by its `Int4Halves` (more memory: 2 or 4 bytes per w
 reference product then runs on the stored halves with the same dots, giving the same bits as dequantizing on
 every call.
 
-On the GPU, `prepare_ws` (opt-in: `Engine(prepare=True)`) does the same kind of one-time preparation for the
-wide int4 weights: it replaces them by `Int4Codes` (same bytes, re-biased) served by the warp-specialized Mosaic
-GPU kernel of `pallas_kernels.int4_ws`, faster than the Triton row-tile kernel on those shapes (KERNEL_NOTES.md).
+On the GPU, `prepare_ws` (what `Engine` does by default with bfloat16 activations) does the same kind of one-time
+preparation for the large int4 weights: it replaces them by `Int4Codes` (same bytes, re-biased) served by the
+warp-specialized Mosaic GPU kernel of `pallas_kernels.int4_ws`, faster than the Triton row-tile kernel on those
+shapes (KERNEL_NOTES.md).
 The jnp reference product takes `Int4Codes` too, with the bits of the `Int4Weight` they came from.
 """
 
@@ -136,17 +137,18 @@ def prepare_reference(params, dtype):
     return _map_int4(lambda w: Int4Halves(*dequantize_halves(w, dtype)), params)
 
 
-WS_MIN_N = 16384  # output channels from which prepare_ws hands a weight to the Mosaic GPU kernel
+WS_MIN_WEIGHTS = 3 << 24  # K * N from which prepare_ws hands a weight to the Mosaic GPU kernel (24 MiB of codes)
 
 
-def prepare_ws(params):
-    """params with every symmetric Int4Weight of N >= WS_MIN_N output channels (gate_up, lm_head) that fits the
-    Mosaic GPU kernel's tiles replaced by its Int4Codes (same memory). On the H200 that kernel reached 1.3x the
-    Triton row-tile kernel on those shapes and was no faster on the narrower ones (benchmarks/int4_layouts.py)."""
+def prepare_ws(params, min_weights: int = WS_MIN_WEIGHTS):
+    """params with every symmetric Int4Weight of at least `min_weights` weights that fits the Mosaic GPU kernel's
+    tiles replaced by its Int4Codes (same memory). On the H200 its stream-K partition beat the Triton row-tile
+    kernel 1.1-1.4x on those shapes (gate_up, down, lm_head of 7B/14B) and was no faster on the smaller ones
+    (qkv, o: 13-26 M weights) (benchmarks/results/int4_streamk_h200.json)."""
 
     def codes(w):
         k, n = w.shape
-        return prepare_codes(w) if w.zeros is None and n >= WS_MIN_N and fits(k, n) else w
+        return prepare_codes(w) if w.zeros is None and k * n >= min_weights and fits(k, n) else w
 
     return _map_int4(codes, params)
 

@@ -12,7 +12,7 @@ from jspec.exactness import bits
 from pallas_kernels import backend, int4_ws
 from pallas_kernels.int4 import Int4Weight, dequantize, quantize, unpack_codes
 from pallas_kernels.int4_ws import Int4Codes, prepare_codes, to_int4_weight
-from pallas_kernels.matmul import WS_MIN_N, Int4Halves, linear, prepare_ws
+from pallas_kernels.matmul import Int4Halves, linear, prepare_ws
 from tests.tiny import tiny_config, tiny_params
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -59,15 +59,15 @@ def test_row_tile_path_reference_serves_codes_interpret_refuses():
         linear(x, prepare_codes(w))
 
 
-def test_prepare_ws_takes_the_wide_symmetric_weights_only():
+def test_prepare_ws_takes_the_large_symmetric_weights_only():
     params = {
-        "gate_up": _weight(256, WS_MIN_N, seed=4),
-        "down": _weight(256, 512, seed=5),  # too narrow
-        "asym": _weight(256, WS_MIN_N, seed=6, symmetric=False),
-        "odd_k": _weight(96, WS_MIN_N, seed=7),  # K not a multiple of the 256-k tile
+        "gate_up": _weight(256, 1024, seed=4),
+        "down": _weight(256, 512, seed=5),  # too small
+        "asym": _weight(256, 1024, seed=6, symmetric=False),
+        "odd_k": _weight(288, 1024, seed=7),  # K not a multiple of the 256-k tile
         "norm": jnp.ones((8,)),
     }
-    out = prepare_ws(params)
+    out = prepare_ws(params, min_weights=256 * 1024)
     assert isinstance(out["gate_up"], Int4Codes)
     assert all(isinstance(out[k], Int4Weight) for k in ("down", "asym", "odd_k"))
     assert out["norm"] is params["norm"]
