@@ -1,13 +1,17 @@
 """H200 benchmark of the Pallas decode/verify attention (issue 5), with its peers, roofline and GPU exactness.
 
 Run from the repo root on the GPU:
-    python3 benchmarks/attention_bench.py --commit <sha> --out $OUT/attention_h200.json
+    python3 benchmarks/attention_bench.py --commit <sha> --out $OUT/attention_h200.json [--variants NAME|JSON]
 (`--smoke` runs the same code paths on CPU with tiny shapes and the interpret-mode kernel, to debug the script.)
+`--variants` is a preset name (`PRESETS`: "sweep" split sizes x one-pass combine tilings, the default; "default": the
+module defaults only) or a JSON list of `attention_kernel.attention` keyword dicts. `--sweep-budget-s` stops starting
+new variants, `--budget-s` skips the remaining table rows; the JSON is rewritten after every step.
 
 What it measures, all in one process:
 - HBM read roofline: the best of torch `x.sum()` and XLA `jnp.sum` over 2 GB of bf16.
-- Kernel variants (block_k, split, warps, stages) at 4k and 32k, M=8; the fastest is then timed at every context
-  and M. Every variant's row exactness is checked on the GPU (below) and a variant that is not exact is never picked.
+- Kernel variants (split size, split-kernel tiles, combine rows / chunk / warps / stages) at 4k and 32k, M=8; by the
+  sum of times relative to the fastest, the best variant that is row-exact on the GPU (below; checked fastest first
+  until one passes, so a variant that is not exact is never picked) is then timed at every context and M.
 - Peers on the same shapes: XLA jnp attention (`reference_attention` jitted) and torch SDPA (flash, GQA, lower-right
   causal mask), both on the same caches (torch reads them through DLPack).
 - Effective KV bandwidth = bytes of K and V at positions < context / time per call. Timing: chains of calls inside
@@ -39,28 +43,57 @@ from jspec.bench import torch_median  # noqa: E402
 from pallas_kernels import ROW_TILE, attention_kernel  # noqa: E402
 from pallas_kernels.attention import reference_attention  # noqa: E402
 
+DEFAULT_NAMES = ("split", "combine_rows", "combine_chunk", "combine_warps", "combine_stages", "num_warps")
 L2_BYTES = 60e6
 SLACK = 256  # cache rows past the context (multiple of 256, >= ROW_TILE)
 WINDOW = 8  # exactness positions c - WINDOW .. c + WINDOW - 1
-VARIANTS = [  # attention_kernel's defaults are the one selected on the H200 (the second)
-    dict(fold_heads=True, block_k=64, split=1024, num_warps=8, num_stages=3),
-    dict(fold_heads=True, block_k=64, split=512, num_warps=8, num_stages=3),
-    dict(fold_heads=True, block_k=128, split=1024, num_warps=8, num_stages=2),
-    dict(fold_heads=True, block_k=64, split=1024, num_warps=4, num_stages=3),
-    dict(fold_heads=False, block_k=64, split=512, num_warps=4, num_stages=3),
-]
+# Combine tilings (rows per program, splits per step, warps, pipeline stages) crossed with split sizes.
+COMBINES = [(2, 32, 4, 2), (2, 16, 4, 3), (4, 16, 4, 2), (8, 8, 8, 2)]
+PRESETS = {
+    "default": [{}],
+    "sweep": [
+        dict(split=split, combine_rows=r, combine_chunk=c, combine_warps=w, combine_stages=st)
+        for split in (512, 1024, 256)
+        for r, c, w, st in COMBINES
+    ],
+}
+SMOKE_PRESETS = {
+    "default": [{}],
+    "sweep": [
+        dict(split=128, combine_rows=2, combine_chunk=2, combine_warps=4, combine_stages=2),
+        dict(split=256, combine_rows=4, combine_chunk=4, combine_warps=4, combine_stages=2, fold_heads=False),
+    ],
+}
+
+
+def variant_name(params: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in params.items()) or "module defaults"
+
+
+def parse_variants(spec: str, smoke: bool) -> list[dict]:
+    """A preset name or a JSON list of attention keyword dicts -> the list of dicts."""
+    presets = SMOKE_PRESETS if smoke else PRESETS
+    if spec in presets:
+        return presets[spec]
+    try:
+        variants = json.loads(spec)
+    except json.JSONDecodeError:
+        variants = None
+    if not isinstance(variants, list) or not variants or not all(isinstance(v, dict) for v in variants):
+        raise ValueError(f"--variants: expected one of {sorted(presets)} or a JSON list of dicts, got {spec!r}")
+    return variants
 
 
 class Setup:
-    def __init__(self, smoke: bool):
+    def __init__(self, smoke: bool, variants: list[dict]):
         self.smoke = smoke
+        self.variants = variants
         self.interpret = smoke
         if smoke:
             self.hq, self.hkv, self.d = 4, 2, 32
             self.contexts = (256, 512)
             self.sweep_contexts = (512,)
             self.ms = (1, 8, 16)
-            self.variants = [dict(fold_heads=False, block_k=32, split=128), dict(block_k=64, split=256)]
             self.roof_elems = 1 << 20
             self.min_chain, self.trials, self.batch = 2, 2, 2
         else:
@@ -68,7 +101,6 @@ class Setup:
             self.contexts = (1024, 4096, 16384, 32768)
             self.sweep_contexts = (4096, 32768)
             self.ms = (1, 8, 16)
-            self.variants = VARIANTS
             self.roof_elems = 1 << 30  # 2 GB of bf16
             self.min_chain, self.trials, self.batch = 16, 7, 5
         self.dtype = jnp.bfloat16
@@ -259,9 +291,11 @@ def main():
     ap.add_argument("--commit", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--budget-s", type=float, default=170.0, help="skip remaining work after this many seconds")
+    ap.add_argument("--variants", default="sweep", help="preset name or JSON list of attention keyword dicts")
+    ap.add_argument("--sweep-budget-s", type=float, default=150.0, help="start no sweep variant after this many s")
+    ap.add_argument("--budget-s", type=float, default=250.0, help="skip remaining table rows after this many s")
     args = ap.parse_args()
-    st = Setup(args.smoke)
+    st = Setup(args.smoke, parse_variants(args.variants, args.smoke))
     t_start = time.time()
     report = dict(
         commit=args.commit,
@@ -270,6 +304,7 @@ def main():
         shape=dict(q_heads=st.hq, kv_heads=st.hkv, head_dim=st.d, dtype="bfloat16", row_tile=ROW_TILE),
         contexts=list(st.contexts),
         ms=list(st.ms),
+        module_defaults={k: getattr(attention_kernel, k.upper()) for k in DEFAULT_NAMES},
         method=__doc__.split("What it measures, all in one process:")[1].strip(),
         skipped=[],
     )
@@ -284,8 +319,8 @@ def main():
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 
-    def over_budget(what: str) -> bool:
-        if time.time() - t_start > args.budget_s:
+    def over_budget(what: str, budget: float) -> bool:
+        if time.time() - t_start > budget:
             report["skipped"].append(what)
             return True
         return False
@@ -300,19 +335,21 @@ def main():
     jax.block_until_ready(caches)
 
     # 1. Sweep: every variant at M=8 on the sweep contexts (a variant that fails to build is recorded).
-    variants = [dict(params=p) for p in st.variants]
+    variants = [dict(name=variant_name(p), params=p) for p in st.variants]
     report["variants"] = variants
     for entry in variants:
         entry["sweep_us"] = {}
+        if len(variants) > 1 and over_budget(f"sweep {entry['name']}", args.sweep_budget_s):
+            continue
+        t_variant = time.time()
         try:
             for c in st.sweep_contexts:
-                if over_budget(f"sweep {entry['params']} {c}"):
-                    break
                 sec = time_jax_impl(st, pallas_impl(st, entry["params"]), caches[c], c, 8, plans[c][1])
                 entry["sweep_us"][str(c)] = round(sec * 1e6, 2)
         except Exception as err:  # noqa: BLE001
             entry["error"] = f"{type(err).__name__}: {err}"[:2000]
-        print("sweep", entry["params"], entry["sweep_us"], entry.get("error", "")[:300], flush=True)
+        entry["sweep_s"] = round(time.time() - t_variant, 1)
+        print("sweep", entry["name"], entry["sweep_us"], entry["sweep_s"], entry.get("error", "")[:300], flush=True)
         save()
 
     # 2. Exactness on the GPU, fastest variant first; the first exact one is selected.
@@ -329,7 +366,7 @@ def main():
     for entry in ranked:
         entry["exactness"] = exactness(st, entry["params"], big, st.contexts)
         entry["exact"] = all(e["rows_differing"] == 0 for e in entry["exactness"].values())
-        print("exactness", entry["params"], entry["exactness"], flush=True)
+        print("exactness", entry["name"], entry["exactness"], flush=True)
         save()
         if entry["exact"]:
             best = entry
@@ -350,7 +387,7 @@ def main():
     for c in st.contexts:
         copies, chain = plans[c]
         for m in st.ms:
-            if over_budget(f"table {c} M={m}"):
+            if over_budget(f"table {c} M={m}", args.budget_s):
                 continue
             row = dict(context=c, m=m, kv_bytes=st.kv_bytes(c), cache_copies=copies, chain=chain)
             impls = {"pallas": pallas_impl(st, best["params"]), "xla_jnp": ref_impl(st)}

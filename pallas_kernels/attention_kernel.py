@@ -8,8 +8,9 @@ Two kernels (Pallas Triton lowering on GPU, Pallas interpret mode on CPU):
    [j*split, (j+1)*split). It walks them in blocks of `block_k` with an online softmax (float32 statistics, exp2
    domain) and writes the partial (max m, sum l, out = acc / l) of every row. Splits that start past
    start + ROW_TILE - 1 do no work; inside a split, blocks past that position are not visited.
-2. `_combine_kernel`, grid (q_heads, ROW_TILE // combine_rows): merges the live splits' partials of each row in
-   ascending split order (chunks of `combine_chunk` splits, sequential inside a chunk) and writes [R, Hq, D].
+2. `_combine_kernel`, grid (q_heads, ROW_TILE // combine_rows): merges the live splits' partials of each row in one
+   pass (global max of m first, then one weighted sum in ascending split order, `combine_chunk` splits per step, no
+   rescaling) and writes [R, Hq, D].
 
 Why row r is bit-identical for every M and every start that keep its position t = start + r (DESIGN 2.2):
 - Rows are padded to ROW_TILE, so every call runs the same kernels on the same shapes; no XLA op touches the
@@ -19,8 +20,11 @@ Why row r is bit-identical for every M and every start that keep its position t 
 - What a call may add beyond t is exactly neutral: a block fully past t has scores -inf, so the running max is
   unchanged, the rescale factor is forced to exactly 1 and the probabilities are exactly 0 (stale values are never
   multiplied by a nonzero weight); a split fully past t has m = -inf, l = 0, out = 0 and weight exactly 0 in the
-  combine, the same as a split that was never computed.
-The defaults are the variant selected on the H200 (benchmarks/results/attention_h200.json, KERNEL_NOTES.md).
+  combine, the same as a split that was never computed (whose garbage partials are masked at the load, never read).
+- The combine's max is order-free; its sum runs over fixed-shape chunks in a fixed order, and every split a row
+  does not see adds an exact zero, so the sum does not depend on how many splits the call computed.
+The split kernel's defaults are the variant selected on the H200 (benchmarks/results/attention_h200.json,
+KERNEL_NOTES.md); the one-pass combine's defaults (rows, chunk, warps, stages) await its H200 sweep.
 """
 
 from __future__ import annotations
@@ -31,13 +35,9 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as _pl_triton
 
 from pallas_kernels.backend import ROW_TILE
-
-try:  # Triton-specific compiler parameters; only needed to compile for a GPU.
-    from jax.experimental.pallas import triton as _pl_triton
-except ImportError:  # pragma: no cover - depends on the installed jaxlib
-    _pl_triton = None
 
 FOLD_HEADS = True  # one dot over all query heads of a KV head (heads padded to a power of 2); False: one per head
 SPLIT = 512  # cache positions per split (flash-decoding partition); a multiple of every block_k below
@@ -48,7 +48,9 @@ NUM_WARPS = 8
 TILE_CHOICES = ((64, 3), (32, 3), (32, 2), (16, 2), (16, 1))
 SMEM_BUDGET = 160 * 1024  # bytes for the q tile and the pipelined K/V blocks; the rest is left to Triton's scratch
 COMBINE_ROWS = 2  # rows of one query head per combine program
-COMBINE_CHUNK = 16  # splits loaded per combine step
+COMBINE_CHUNK = 32  # splits loaded per combine step (a power of 2; the split count need not be)
+COMBINE_WARPS = 4
+COMBINE_STAGES = 2  # pipeline stages of the combine's loop over chunks
 
 _LOG2E = math.log2(math.e)
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -108,31 +110,41 @@ def _split_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale,
 
 
 def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, split, chunk):
-    """One (query head, row group) program. o_ref [NS, RC, D]; m_ref/l_ref [NS, RC]; out_ref [RC, D]."""
-    live = (start_ref[0] + ROW_TILE - 1) // split + 1  # splits 0..live-1 were computed
+    """One (query head, row group) program. o_ref [NS, RC, D]; m_ref/l_ref [NS, RC] float32; out_ref [RC, D].
 
-    def step(ci, carry):
-        mx, num, den = carry
-        idx = [ci * chunk + i for i in range(chunk)]
-        ms = [jnp.where(i < live, m_ref[jnp.minimum(i, live - 1)], -jnp.inf) for i in idx]
-        mx_new = functools.reduce(jnp.maximum, ms, mx)
-        beta = jnp.where(mx_new == mx, 1.0, jnp.exp2(mx - mx_new))
-        num = num * beta[:, None]
-        den = den * beta
-        for i, m in zip(idx, ms, strict=True):
-            safe = jnp.minimum(i, live - 1)
-            w = jnp.exp2(m - mx_new) * l_ref[safe]  # exactly 0 for a dead split or a row with nothing visible
-            num = num + w[:, None] * o_ref[safe].astype(jnp.float32)
-            den = den + w
-        return mx_new, num, den
+    One pass, no rescaling chain: first the max M over the live splits' m (order-free, so exact), then
+    num = sum_i exp2(m_i - M) * l_i * o_i and den = sum_i exp2(m_i - M) * l_i over the live splits in ascending
+    order, `chunk` splits per step (a fixed-shape sum inside a step, steps added in order). The steps' loads do not
+    depend on each other. Splits >= live were never computed (their partials are garbage): their loads are masked
+    to m = -inf, l = 0, o = 0 (never read), so they add exact zeros, as does a live split a row sees nothing of.
+    """
+    live = (start_ref[0] + ROW_TILE - 1) // split + 1  # splits 0..live-1 were computed
+    steps = (live + chunk - 1) // chunk
+    lane = jnp.arange(chunk, dtype=jnp.int32)
+
+    def load(ref, ci, fill):
+        shape = (chunk, *ref.shape[1:])
+        ok = (ci * chunk + lane < live).reshape((chunk,) + (1,) * (len(shape) - 1))
+        return _pl_triton.load(
+            ref.at[pl.ds(ci * chunk, chunk)], mask=jnp.broadcast_to(ok, shape), other=jnp.full(shape, fill, ref.dtype)
+        )
 
     rows, d = out_ref.shape
-    init = (
+    top = jax.lax.fori_loop(
+        0,
+        steps,
+        lambda ci, mx: jnp.maximum(mx, jnp.max(load(m_ref, ci, -jnp.inf), axis=0)),
         jnp.full((rows,), -jnp.inf, jnp.float32),
-        jnp.zeros((rows, d), jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
     )
-    _, num, den = jax.lax.fori_loop(0, (live + chunk - 1) // chunk, step, init)
+
+    def step(ci, carry):
+        num, den = carry
+        w = jnp.exp2(load(m_ref, ci, -jnp.inf) - top[None, :]) * load(l_ref, ci, 0.0)  # [chunk, RC]
+        o = load(o_ref, ci, 0.0).astype(jnp.float32)
+        return num + jnp.sum(w[:, :, None] * o, axis=0), den + jnp.sum(w, axis=0)
+
+    init = (jnp.zeros((rows, d), jnp.float32), jnp.zeros((rows,), jnp.float32))
+    num, den = jax.lax.fori_loop(0, steps, step, init)
     out_ref[...] = (num * (1.0 / den)[:, None]).astype(out_ref.dtype)
 
 
@@ -153,6 +165,10 @@ def _tile_heads(group: int, fold_heads: bool) -> int:
     return 1 << (group - 1).bit_length() if fold_heads else group
 
 
+def _compiler_params(interpret: bool, warps: int, stages: int):
+    return None if interpret else _pl_triton.CompilerParams(num_warps=warps, num_stages=stages)
+
+
 def _check_inputs(q, k_cache, v_cache):
     if q.ndim != 3 or k_cache.ndim != 3:
         raise ValueError(f"expected q [M, Hq, D] and caches [S, Hkv, D], got {q.shape} and {k_cache.shape}")
@@ -171,11 +187,12 @@ def _check_inputs(q, k_cache, v_cache):
         )
 
 
-def _check_tiles(d, s_len, block_k, split, combine_rows):
-    if d & (d - 1) or block_k & (block_k - 1) or split % block_k or ROW_TILE % combine_rows:
+def _check_tiles(d, s_len, block_k, split, combine_rows, combine_chunk):
+    pow2 = [x > 0 and not x & (x - 1) for x in (d, block_k, combine_chunk)]
+    if not all(pow2) or split % block_k or ROW_TILE % combine_rows:
         raise ValueError(
-            f"head_dim {d} and block_k {block_k} must be powers of 2, split {split} a multiple of "
-            f"block_k and combine_rows {combine_rows} a divisor of {ROW_TILE}"
+            f"head_dim {d}, block_k {block_k} and combine_chunk {combine_chunk} must be powers of 2, split {split} "
+            f"a multiple of block_k and combine_rows {combine_rows} a divisor of {ROW_TILE}"
         )
     if s_len % block_k or s_len < ROW_TILE:
         raise ValueError(f"cache length {s_len} must be a multiple of block_k={block_k} and >= {ROW_TILE}")
@@ -196,6 +213,8 @@ def attention(
     num_stages: int | None = None,
     combine_rows: int = COMBINE_ROWS,
     combine_chunk: int = COMBINE_CHUNK,
+    combine_warps: int = COMBINE_WARPS,
+    combine_stages: int = COMBINE_STAGES,
 ) -> jax.Array:
     """q [M <= ROW_TILE, Hq, D] at positions start..start+M-1 (start: int32 scalar, may be traced); caches
     [S, Hkv, D] in q.dtype (float32 or bfloat16) -> [M, Hq, D] in q.dtype.
@@ -211,9 +230,7 @@ def attention(
     auto_block, auto_stages = split_tiles(rows, d, jnp.dtype(q.dtype).itemsize)
     block_k = auto_block if block_k is None else block_k
     num_stages = auto_stages if num_stages is None else num_stages
-    _check_tiles(d, k_cache.shape[0], block_k, split, combine_rows)
-    if not interpret and _pl_triton is None:
-        raise RuntimeError("compiled Pallas attention needs jax.experimental.pallas.triton (a GPU jaxlib)")
+    _check_tiles(d, k_cache.shape[0], block_k, split, combine_rows, combine_chunk)
     m = q.shape[0]
     out = _attention_tile(
         jnp.pad(q, ((0, ROW_TILE - m), (0, 0), (0, 0))),
@@ -229,6 +246,8 @@ def attention(
         num_stages=num_stages,
         combine_rows=combine_rows,
         combine_chunk=combine_chunk,
+        combine_warps=combine_warps,
+        combine_stages=combine_stages,
     )
     return out[:m]
 
@@ -245,6 +264,8 @@ def attention(
         "num_stages",
         "combine_rows",
         "combine_chunk",
+        "combine_warps",
+        "combine_stages",
     ),
 )
 def _attention_tile(
@@ -262,8 +283,42 @@ def _attention_tile(
     num_stages,
     combine_rows,
     combine_chunk,
+    combine_warps,
+    combine_stages,
 ):
     """q [ROW_TILE, Hq, D] (rows padded), start_arr int32 [1] -> [ROW_TILE, Hq, D] in q.dtype."""
+    parts = split_partials(
+        q,
+        k_cache,
+        v_cache,
+        start_arr,
+        scale=scale,
+        interpret=interpret,
+        fold_heads=fold_heads,
+        block_k=block_k,
+        split=split,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return combine(
+        start_arr,
+        *parts,
+        q_heads=q.shape[1],
+        split=split,
+        interpret=interpret,
+        rows=combine_rows,
+        chunk=combine_chunk,
+        warps=combine_warps,
+        stages=combine_stages,
+    )
+
+
+def split_partials(
+    q, k_cache, v_cache, start_arr, *, scale, interpret, fold_heads, block_k, split, num_warps, num_stages
+):
+    """q [ROW_TILE, Hq, D] (rows padded), start_arr int32 [1] -> the split kernel's partials (o [Hkv, NS, T, D] in
+    q.dtype, m [Hkv, NS, T], l [Hkv, NS, T] float32; T = padded heads x ROW_TILE rows). Splits past
+    start_arr[0] + ROW_TILE - 1 are not written."""
     _, hq, d = q.shape
     s_len, hkv, _ = k_cache.shape
     group = hq // hkv
@@ -276,12 +331,9 @@ def _attention_tile(
     qt = q.reshape(ROW_TILE, hkv, group, d).transpose(1, 2, 0, 3)
     qt = jnp.pad(qt, ((0, 0), (0, heads - group), (0, 0), (0, 0))).reshape(hkv, rows, d)
 
-    def params(warps, stages):
-        return None if interpret else _pl_triton.CompilerParams(num_warps=warps, num_stages=stages)
-
     scalar = pl.BlockSpec((1,), lambda *_: (0,))
     whole_cache = pl.BlockSpec((s_len, hkv, d), lambda h, j: (0, 0, 0))
-    o_part, m_part, l_part = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_split_kernel, scale=scale, slices=slices, block_k=block_k, split=split),
         grid=(hkv, n_split),
         in_specs=[scalar, pl.BlockSpec((None, rows, d), lambda h, j: (h, 0, 0)), whole_cache, whole_cache],
@@ -295,29 +347,34 @@ def _attention_tile(
             jax.ShapeDtypeStruct((hkv, n_split, rows), jnp.float32),
             jax.ShapeDtypeStruct((hkv, n_split, rows), jnp.float32),
         ],
-        compiler_params=params(num_warps, num_stages),
+        compiler_params=_compiler_params(interpret, num_warps, num_stages),
         interpret=interpret,
         name="jspec_attention_split",
     )(start_arr, qt, k_cache, v_cache)
 
-    rc = combine_rows
-    per_head = ROW_TILE // rc
+
+def combine(start_arr, o_part, m_part, l_part, *, q_heads, split, interpret, rows, chunk, warps, stages):
+    """The split kernel's partials o_part [Hkv, NS, T, D] (T = padded heads x R rows), m_part/l_part [Hkv, NS, T]
+    float32 -> [ROW_TILE, q_heads, D] in o_part.dtype. Splits past start_arr[0] + ROW_TILE - 1 are never read."""
+    hkv, n_split, _, d = o_part.shape
+    group = q_heads // hkv
+    per_head = ROW_TILE // rows
 
     def part_index(h, r):
         return h // group, 0, (h % group) * per_head + r
 
     return pl.pallas_call(
-        functools.partial(_combine_kernel, split=split, chunk=combine_chunk),
-        grid=(hq, per_head),
+        functools.partial(_combine_kernel, split=split, chunk=chunk),
+        grid=(q_heads, per_head),
         in_specs=[
-            scalar,
-            pl.BlockSpec((None, n_split, rc, d), lambda h, r: (*part_index(h, r), 0)),
-            pl.BlockSpec((None, n_split, rc), part_index),
-            pl.BlockSpec((None, n_split, rc), part_index),
+            pl.BlockSpec((1,), lambda *_: (0,)),
+            pl.BlockSpec((None, n_split, rows, d), lambda h, r: (*part_index(h, r), 0)),
+            pl.BlockSpec((None, n_split, rows), part_index),
+            pl.BlockSpec((None, n_split, rows), part_index),
         ],
-        out_specs=pl.BlockSpec((rc, None, d), lambda h, r: (r, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((ROW_TILE, hq, d), dtype),
-        compiler_params=params(4, 2),
+        out_specs=pl.BlockSpec((rows, None, d), lambda h, r: (r, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((ROW_TILE, q_heads, d), o_part.dtype),
+        compiler_params=_compiler_params(interpret, warps, stages),
         interpret=interpret,
         name="jspec_attention_combine",
     )(start_arr, o_part, m_part, l_part)

@@ -183,3 +183,60 @@ def test_rows_exact_with_the_head_dim_256_tiles():
     """head_dim 256 float32 (64-row tile) takes the (16, 2) tiles: rows stay exact across the split boundary."""
     assert attention_kernel.split_tiles(4 * ROW_TILE, 256, 4) == (16, 2)
     _check_rows_exact(jnp.float32, positions=(510, 511, 512, 513), ms=(1, 5, 16), d=256)
+
+
+def test_rows_exact_over_many_combine_chunks():
+    """17 splits of 16 (not a power of 2) merged 4 per combine step: positions 124..131 cross the split and combine
+    chunk boundary at 128, and calls there compute different numbers of splits and chunks."""
+    _check_rows_exact(
+        jnp.float32,
+        list(range(124, 132)),
+        [1, 5, 16],
+        s_len=272,
+        block_k=16,
+        split=16,
+        combine_chunk=4,
+        combine_rows=4,
+    )
+
+
+@pytest.mark.parametrize("poison", [jnp.nan, jnp.inf])
+def test_combine_never_reads_dead_splits(poison):
+    """The partials of splits past start + 15 are never written; garbage there (NaN, inf) leaves every bit of the
+    combine's output unchanged, and so does a combine step that holds only dead splits."""
+    q_hist, k_hist, v_hist = _history(jnp.float32, seed=13, s_len=272)
+    start = jnp.array([40], jnp.int32)  # positions 40..55: splits 0..3 of 16 are live, 4..16 dead
+    tiles = dict(block_k=16, split=16)
+    o, m, s = attention_kernel.split_partials(
+        q_hist[40:56],
+        k_hist,
+        v_hist,
+        start,
+        scale=SCALE,
+        interpret=True,
+        fold_heads=True,
+        num_warps=4,
+        num_stages=1,
+        **tiles,
+    )
+    dead = (jnp.arange(o.shape[1]) >= 4)[None, :, None]
+    bad = [jnp.where(dead[..., None], poison, o), jnp.where(dead, poison, m), jnp.where(dead, poison, s)]
+    outs = []
+    for chunk in (2, 8):
+        kw = dict(q_heads=HQ, split=16, interpret=True, rows=2, chunk=chunk, warps=4, stages=2)
+        clean = attention_kernel.combine(start, o, m, s, **kw)
+        dirty = attention_kernel.combine(start, *bad, **kw)
+        assert np.all(np.isfinite(np.asarray(dirty))) and np.array_equal(bits(clean), bits(dirty)), chunk
+        outs.append(clean)
+    call = attention_kernel.attention(
+        q_hist[40:56], k_hist, v_hist, start[0], scale=SCALE, interpret=True, combine_chunk=8, **tiles
+    )
+    assert np.array_equal(bits(outs[1]), bits(call))
+    ref = reference_attention(q_hist[40:56], k_hist, v_hist, start[0], scale=SCALE)
+    np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+
+def test_rejects_a_combine_chunk_that_is_not_a_power_of_2():
+    q, cache = jnp.zeros((4, 8, 64), jnp.float32), jnp.zeros((1024, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="combine_chunk 12 must be"):
+        attention_kernel.attention(q, cache, cache, jnp.int32(0), scale=1.0, interpret=True, combine_chunk=12)
