@@ -1,17 +1,22 @@
 """Warp-specialized Mosaic GPU int4 row-tile matmul (Hopper), on weights prepared once as signed int4 codes.
 
-`Int4Codes` holds an `Int4Weight` (symmetric) re-biased for this kernel: every packed byte XOR 0x88, so each nibble
-is the two's-complement int4 of q - 8, read as `jnp.int4` [N, K] in natural k order (XLA packs int4 low nibble
-first, the native byte order). Same bytes, same memory; `to_int4_weight` undoes it exactly.
+`Int4Codes` holds an `Int4Weight` (symmetric) re-coded for this kernel: each code is the two's-complement int4 of
+q - 8 (`jnp.int4` [N, K], same memory), and inside every 32-k block (one scale group) the codes are stored in the
+order `STORED_K`: a thread's 8 consecutive stored codes, which Mosaic's int4 upcast layout hands it as one 32-bit
+word, are then exactly the 8 k the wgmma register layout gives that thread (pairs 2t, 2t+1 of each 8 columns). So
+the kernel converts whole words with Mosaic's int4 -> bf16 upcast and re-labels the result as the wgmma operand
+with no data movement (`_as_wgmma`). `to_int4_weight` undoes the preparation exactly.
 
-The kernel (DESIGN 2.1 row-tile rule: rows padded to ROW_TILE = 16, tiles from the shape only, split-K partials
-combined outside in a fixed order, then a barrier and the slice to M rows): per CTA one TMA warpgroup streams
+The kernel (DESIGN 2.1 row-tile rule: rows padded to ROW_TILE = 16, tiles from the shape only, partials combined
+outside in a fixed order, then a barrier and the slice to M rows): a stream-K partition (`Partition`) gives each
+CTA (one per SM) an even share of the (row tile, k step) units. Per CTA one TMA warpgroup streams
 [2 * wg_rows, tile_k] code tiles, their [2 * wg_rows, tile_k / 32] scales and the [16, tile_k] x tile through a
-`stages`-deep ring; two consumer warpgroups each load wg_rows rows of codes in the wgmma register layout, convert
-them with Mosaic's int4 -> bf16 upcast (exact), multiply by the group scales (one bf16 rounding: exactly the
+`stages`-deep ring; two consumer warpgroups each load wg_rows rows of codes in the upcast layout (32-bit shared
+memory loads), convert them (exact), multiply by the group scales (one bf16 rounding: exactly the
 `pallas_kernels.int4` formula bf16(f32(q - 8) * f32(s))) and issue wgmma with the 16 tokens on N, accumulating
-float32 [wg_rows, 16]. GPU only (no interpret mode); bfloat16 activations. H200 measurements and the variants
-behind the defaults: benchmarks/int4_layouts.py, benchmarks/KERNEL_NOTES.md ("Prepared layouts").
+float32 [wg_rows, 16]; at the end of each tile's run of steps (a segment) the accumulator goes to that segment's
+partial. GPU only (no interpret mode); bfloat16 activations. H200 measurements and the variants behind the
+defaults: benchmarks/int4_layouts.py, benchmarks/KERNEL_NOTES.md ("Prepared layouts").
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels.backend import ROW_TILE
-from pallas_kernels.int4 import BLOCK, Int4Weight
+from pallas_kernels.int4 import BLOCK, Int4Weight, pack, unpack_codes
 from pallas_kernels.int4_matmul import _combine
 
 
@@ -93,20 +98,26 @@ class Partition:
         return self.cta_of((t + 1) * self.steps - 1) - self.cta_of(t * self.steps) + 1
 
 
+# STORED_K[p]: the k (within a 32-k block) whose code is stored at position p = 8 t + 2 a + b: k = 8 a + 2 t + b.
+# Thread t of a quad reads stored positions 8t..8t+7 (upcast layout) and the wgmma layout gives it k = 8 a + 2 t + b.
+STORED_K = np.array([8 * ((p % 8) // 2) + 2 * (p // 8) + p % 2 for p in range(BLOCK)])
+
+
 def prepare_codes(w: Int4Weight) -> Int4Codes:
     """Int4Weight (symmetric) -> Int4Codes; raises for asymmetric weights (the kernel has no zero points)."""
     if w.zeros is not None:
         raise ValueError("Int4Codes hold symmetric int4 weights only (this weight has per-block zero points)")
-    n, half = w.packed.shape
-    signed = jax.lax.bitcast_convert_type(w.packed ^ jnp.uint8(0x88), jnp.int4)  # [N, K/2, 2]
-    return Int4Codes(signed.reshape(n, 2 * half), w.scales)
+    q = unpack_codes(w)
+    n, k = q.shape
+    stored = q.reshape(n, k // BLOCK, BLOCK)[..., STORED_K].reshape(n, k)
+    return Int4Codes((stored.astype(jnp.int8) - 8).astype(jnp.int4), w.scales)
 
 
 def to_int4_weight(w: Int4Codes) -> Int4Weight:
     """The exact inverse of `prepare_codes`."""
     n, k = w.codes.shape
-    packed = jax.lax.bitcast_convert_type(w.codes.reshape(n, k // 2, 2), jnp.uint8)
-    return Int4Weight(packed ^ jnp.uint8(0x88), w.scales)
+    stored = (w.codes.astype(jnp.int8) + 8).astype(jnp.uint8).reshape(n, k // BLOCK, BLOCK)
+    return pack(stored[..., np.argsort(STORED_K)].reshape(n, k), w.scales)
 
 
 def fits(k: int, n: int, cfg: Config = Config()) -> bool:
@@ -171,8 +182,8 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
         def body(idx, c_smem, s_smem, x_smem, acc_ref):
             j = idx[0]
             t, ks = unit(j)
-            q = plgpu.load(c_smem.at[rows], layout=plgpu.Layout.WGMMA)
-            w = q.astype(jnp.bfloat16)
+            q = plgpu.load(c_smem.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X)
+            w = _as_wgmma(q.astype(jnp.bfloat16))
             parts = []
             for g in range(groups):
                 sg = plgpu.load(s_smem.at[rows, g], layout=row_layout)
@@ -232,3 +243,26 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(xp, codes, scales)
     return jnp.swapaxes(out, 1, 2)
+
+
+def _as_wgmma(w):
+    """bf16 [wg_rows, tile_k] in the int4 upcast layout -> the same registers labelled in the wgmma layout.
+
+    The upcast layout gives a thread, per 32 columns, one vector of 8 (rows as in the wgmma layout); the wgmma layout
+    wants, per 8 columns, a vector of 2. With the codes stored in `STORED_K` order, elements 2a, 2a + 1 of the
+    thread's 8 are the wgmma vector of column block 4 c + a, so this only slices registers (no shuffles)."""
+    import jax.experimental.mosaic.gpu as mgpu
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+        return_type=plgpu.ShapeDtypeStruct(w.shape, w.dtype, layout=plgpu.Layout.WGMMA),
+    )
+    def relabel(_, upcast):
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape(upcast.shape), dtype=object)
+        for (r, c, *rest), vec in np.ndenumerate(upcast.registers):
+            for a in range(4):
+                regs[(r, 4 * c + a, *rest)] = mgpu.utils.vector_slice(vec, slice(2 * a, 2 * a + 2))
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return relabel(w)
