@@ -180,6 +180,8 @@ WS = {
     "ws_divisor_s4": dict(divisor=True),
     "ws_streamk_s4": dict(),
     "ws_streamk_s6": dict(stages=6),
+    "ws_streamk_acc2": dict(accs=2),
+    "ws_streamk_acc4": dict(accs=4),
     "ws_streamk_s3_x2": dict(stages=3, ctas=264),
     "ws_streamk_min8": dict(min_steps=8),
     "ws_streamk_min2": dict(min_steps=2),
@@ -221,6 +223,7 @@ def main():
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--only", help="comma list of variant names (module is always run)")
+    ap.add_argument("--shapes", help=f"comma list of shapes (default all: {','.join(SHAPES)})")
     ap.add_argument("--profile", help="run one call of this variant at 14b/gate_up (for ncu) and exit")
     args = ap.parse_args()
     if args.smoke:
@@ -242,6 +245,8 @@ def main():
     roof = report["roofline"]["roofline_Bps"]
     report["results"] = {}
     for shape, (k, n) in SHAPES.items():
+        if args.shapes and shape not in args.shapes.split(","):
+            continue
         nbytes = ib.int4_bytes(k, n)
         native = ib.random_weights(key, k, n, ib.n_copies(nbytes))
         x16 = jax.random.normal(jax.random.fold_in(key, 7), (16, k), jnp.float32).astype(jnp.bfloat16)

@@ -106,7 +106,13 @@ def test_stream_k_partition_covers_every_unit_once_in_numbered_segments(k, n, ct
 
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
 @pytest.mark.parametrize(
-    "config", [int4_ws.Config(), int4_ws.Config(ctas=7, min_steps=1), int4_ws.Config(ctas=4, min_steps=1)]
+    "config",
+    [
+        int4_ws.Config(),
+        int4_ws.Config(ctas=7, min_steps=1),
+        int4_ws.Config(ctas=4, min_steps=1),
+        int4_ws.Config(ctas=7, min_steps=1, accs=4),
+    ],
 )
 def test_gpu_row_exact_and_close_to_the_reference(config):
     k, n = 1280, 512  # 4 tiles x 5 K steps: segments of 1..4 steps, one to three per tile
