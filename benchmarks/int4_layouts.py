@@ -180,8 +180,6 @@ WS = {
     "ws_divisor_s4": dict(divisor=True),
     "ws_streamk_s4": dict(),
     "ws_streamk_s6": dict(stages=6),
-    "ws_streamk_acc2": dict(accs=2),
-    "ws_streamk_acc4": dict(accs=4),
     "ws_streamk_s3_x2": dict(stages=3, ctas=264),
     "ws_streamk_min8": dict(min_steps=8),
     "ws_streamk_min2": dict(min_steps=2),

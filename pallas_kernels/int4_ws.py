@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -58,16 +57,13 @@ class Int4Codes:
 class Config:
     """tile_k: k per pipeline step (256: 128 code bytes per row, one 128B swizzle); stages: ring depth; wg_rows:
     weight rows per consumer warpgroup (a tile = 2 x wg_rows rows); ctas: CTAs of the stream-K partition (None:
-    the device's SM count, one CTA per SM); min_steps: fewest pipeline steps per CTA (small shapes get fewer CTAs);
-    accs: independent wgmma accumulators per warpgroup (accumulator a takes the a-th k slice of every step; summed
-    in order at the end of a segment): shorter dependent wgmma chains."""
+    the device's SM count, one CTA per SM); min_steps: fewest pipeline steps per CTA (small shapes get fewer CTAs)."""
 
     tile_k: int = 256
     stages: int = 4
     wg_rows: int = 64
     ctas: int | None = None
     min_steps: int = 4
-    accs: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +162,7 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     tile_k, wg_rows = cfg.tile_k, cfg.wg_rows
-    tile_rows, groups, span = 2 * wg_rows, tile_k // BLOCK, tile_k // cfg.accs
+    tile_rows, groups = 2 * wg_rows, tile_k // BLOCK
     steps, units, ctas = part.steps, part.units, part.ctas
     code_swizzle, x_swizzle = min(128, tile_k // 2), min(128, tile_k * 2)
     code_tf = (plgpu.TilingTransform((8, code_swizzle * 2)), plgpu.SwizzleTransform(code_swizzle))
@@ -183,7 +179,7 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             u = lo + jnp.minimum(j, count - 1)
             return u // steps, u % steps
 
-        def body(idx, c_smem, s_smem, x_smem, accs):
+        def body(idx, c_smem, s_smem, x_smem, acc_ref):
             j = idx[0]
             t, ks = unit(j)
             q = plgpu.load(c_smem.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X)
@@ -194,35 +190,32 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
                 parts.append(w[:, g * BLOCK : (g + 1) * BLOCK] * jax.lax.broadcast_in_dim(sg, (wg_rows, BLOCK), [0]))
             wd = jnp.concatenate(parts, axis=1) if groups > 1 else parts[0]
 
-            @pl.when((ks == 0) | (j == 0))  # a segment starts: fresh accumulators
+            @pl.when((ks == 0) | (j == 0))  # a segment starts: a fresh accumulator
             def _():
-                for acc in accs:
-                    acc[...] = plgpu.layout_cast(jnp.zeros((wg_rows, ROW_TILE), jnp.float32), plgpu.Layout.WGMMA)
+                acc_ref[...] = plgpu.layout_cast(jnp.zeros((wg_rows, ROW_TILE), jnp.float32), plgpu.Layout.WGMMA)
 
             @pl.when(j < count)
             def _():
-                for a, acc in enumerate(accs):  # independent chains: accumulator a takes k slice a of the step
-                    k_slice = slice(a * span, (a + 1) * span)
-                    plgpu.wgmma(acc, wd[:, k_slice], x_smem.at[:, pl.ds(a * span, span)].T)
+                plgpu.wgmma(acc_ref, wd, x_smem.T)
 
             plgpu.wgmma_wait(0)
 
             @pl.when((j < count) & ((ks == steps - 1) | (j == count - 1)))  # a segment ends: store its partial
             def _():
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read o_smem
-                o_smem[wg] = functools.reduce(operator.add, [acc[...] for acc in accs])  # fixed order
+                o_smem[wg] = acc_ref[...]
                 plgpu.commit_smem()
                 seg = c - part.cta_of(t * steps)
                 plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[seg, pl.ds(t * tile_rows + wg * wg_rows, wg_rows)])
 
-            return accs
+            return acc_ref
 
         def compute_context(eval_pipeline):
-            def acc_scope(*accs):
-                eval_pipeline(accs)
+            def acc_scope(acc_ref):
+                eval_pipeline(acc_ref)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-            pl.run_scoped(acc_scope, *[plgpu.ACC((wg_rows, ROW_TILE), jnp.float32) for _ in range(cfg.accs)])
+            pl.run_scoped(acc_scope, plgpu.ACC((wg_rows, ROW_TILE), jnp.float32))
 
         plgpu.emit_pipeline_warp_specialized(
             body,
