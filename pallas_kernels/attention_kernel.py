@@ -23,8 +23,8 @@ Why row r is bit-identical for every M and every start that keep its position t 
   combine, the same as a split that was never computed (whose garbage partials are masked at the load, never read).
 - The combine's max is order-free; its sum runs over fixed-shape chunks in a fixed order, and every split a row
   does not see adds an exact zero, so the sum does not depend on how many splits the call computed.
-The split kernel's defaults are the variant selected on the H200 (benchmarks/results/attention_h200.json,
-KERNEL_NOTES.md); the one-pass combine's defaults (rows, chunk, warps, stages) await its H200 sweep.
+The defaults are the variants selected on the H200 (benchmarks/results/attention_h200.json and, for the split size
+and the one-pass combine, attention_onepass_h200.json; KERNEL_NOTES.md).
 """
 
 from __future__ import annotations

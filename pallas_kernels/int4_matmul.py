@@ -19,7 +19,8 @@ row-exact on the GPU too.
 
 The kernel is Triton-lowered: it runs on the GPU and, unchanged, in interpret mode on CPU (CI tests this very
 code). `choose_config` picks the tiles from the shape alone, never from M. The warp-specialized Mosaic GPU kernel
-of `pallas_kernels.int4_ws` serves wide weights prepared as `Int4Codes` (opt-in; see its module).
+of `pallas_kernels.int4_ws` serves the large weights prepared as `Int4Codes` (`prepare_ws`, the GPU default for
+bfloat16 models; see its module).
 """
 
 from __future__ import annotations
