@@ -637,10 +637,11 @@ def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: t
         count = ctx.compiles.count
         seconds, times = _time_chain(exec_, weights, state, extra, opts.reps, opts.trials)
         entry["compiles_during_timing"] += ctx.compiles.count - count
-        out = {"time_s": seconds, "trial_times_s": times, "bytes": nbytes, "achieved_Bps": nbytes["total"] / seconds}
+        read = nbytes if weights is params else step_bytes(weights, cfg, base, ROW_TILE)
+        out = {"time_s": seconds, "trial_times_s": times, "bytes": read, "achieved_Bps": read["total"] / seconds}
         if roof:
-            out["roofline_fraction"] = nbytes["total"] / seconds / roof
-            out["roofline_time_s"] = nbytes["total"] / roof
+            out["roofline_fraction"] = read["total"] / seconds / roof
+            out["roofline_time_s"] = read["total"] / roof
         return out
 
     entry["decode"] = timed(execs["decode"], ())

@@ -44,6 +44,12 @@ def test_quick_step_costs(quick):
         assert decode["roofline_fraction"] == pytest.approx(
             decode["achieved_Bps"] / data["sections"]["roofline"]["roofline_Bps"]
         )
+        # CPU: the reference backend's prepared (dequantized) weights, and the weights as loaded for the ratio
+        raw = m["decode_unprepared"]
+        assert m["prepared"] and raw["prepared_speedup"] == pytest.approx(raw["time_s"] / decode["time_s"])
+        assert (
+            raw["bytes"]["weights"] < decode["bytes"]["weights"] and raw["bytes"]["cache"] == decode["bytes"]["cache"]
+        )
         v = m["verify"]["3"]
         assert v["bitwise_equal_decode"] and v["mismatch_rows"] == [] and v["argmax_equal_rows"] == 4
         assert v["ratio_vs_decode"] == pytest.approx(v["time_s"] / decode["time_s"]) == v["break_even_mean_accepted"]
@@ -52,6 +58,7 @@ def test_quick_step_costs(quick):
 def test_quick_end_to_end(quick):
     _, data, _ = quick
     e2e = data["sections"]["e2e"]
+    assert e2e["prepared"]  # the engines' default on the reference backend
     assert e2e["compiles_after_warmup"] == 0 and e2e["greedy_distinct_fraction"] == 1.0
     assert e2e["num_compiles"] == {"greedy/host": 2, "lookup+gate/host": 3, "greedy/device": 1, "lookup/device": 1}
     variants = e2e["variants"]
