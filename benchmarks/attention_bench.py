@@ -3,9 +3,10 @@
 Run from the repo root on the GPU:
     python3 benchmarks/attention_bench.py --commit <sha> --out $OUT/attention_h200.json [--variants NAME|JSON]
 (`--smoke` runs the same code paths on CPU with tiny shapes and the interpret-mode kernel, to debug the script.)
-`--variants` is a preset name (`PRESETS`: "sweep" split sizes x one-pass combine tilings, the default; "default": the
-module defaults only) or a JSON list of `attention_kernel.attention` keyword dicts. `--sweep-budget-s` stops starting
-new variants, `--budget-s` skips the remaining table rows; the JSON is rewritten after every step.
+`--variants` is a preset name (`PRESETS`: "sweep" split sizes x one-pass combine tilings, the default; "far": short
+splits near the start and longer ones past a position; "default": the module defaults only) or a JSON list of
+`attention_kernel.attention` keyword dicts. `--sweep-budget-s` stops starting new variants, `--budget-s` skips the
+remaining table rows; the JSON is rewritten after every step.
 
 What it measures, all in one process:
 - HBM read roofline: the best of torch `x.sum()` and XLA `jnp.sum` over 2 GB of bf16.
@@ -56,6 +57,8 @@ PRESETS = {
         for split in (512, 1024, 256)
         for r, c, w, st in COMBINES
     ],
+    # splits of 256 near the start, longer ones far out (the partition stays a function of position only)
+    "far": [{}] + [dict(split=256, far_split=f, far_from=n) for f in (1024, 2048) for n in (2048, 4096, 8192)],
 }
 SMOKE_PRESETS = {
     "default": [{}],
@@ -63,6 +66,7 @@ SMOKE_PRESETS = {
         dict(split=128, combine_rows=2, combine_chunk=2, combine_warps=4, combine_stages=2),
         dict(split=256, combine_rows=4, combine_chunk=4, combine_warps=4, combine_stages=2, fold_heads=False),
     ],
+    "far": [{}, dict(split=64, far_split=128, far_from=128)],
 }
 
 

@@ -2,12 +2,13 @@
 
 Two kernels (Pallas Triton lowering on GPU, Pallas interpret mode on CPU):
 
-1. `_split_kernel`, grid (kv_heads, ceil(S / split)). Program (h, j) takes the query rows of KV head h (the
+1. `_split_kernel`, grid (kv_heads, number of splits). Program (h, j) takes the query rows of KV head h (the
    `group` query heads that share it, ROW_TILE rows each, stacked into one row tile and padded to a power of 2 of
-   heads: 40/8 heads -> 8 x 16 = 128 rows, one tensor-core dot per step) and the cache positions
-   [j*split, (j+1)*split). It walks them in blocks of `block_k` with an online softmax (float32 statistics, exp2
-   domain) and writes the partial (max m, sum l, out = acc / l) of every row. Splits that start past
-   start + ROW_TILE - 1 do no work; inside a split, blocks past that position are not visited.
+   heads: 40/8 heads -> 8 x 16 = 128 rows, one tensor-core dot per step) and the cache positions of split j
+   (`Splits`: `split` positions each, or `far_split` each from position `far_from` on). It walks them in blocks
+   of `block_k` with an online softmax (float32 statistics, exp2 domain) and writes the partial (max m, sum l,
+   out = acc / l) of every row. Splits that start past start + ROW_TILE - 1 do no work; inside a split, blocks past
+   that position are not visited.
 2. `_combine_kernel`, grid (q_heads, ROW_TILE // combine_rows): merges the live splits' partials of each row in one
    pass (global max of m first, then one weighted sum in ascending split order, `combine_chunk` splits per step, no
    rescaling) and writes [R, Hq, D].
@@ -29,6 +30,7 @@ and the one-pass combine, attention_onepass_h200.json; KERNEL_NOTES.md).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -53,6 +55,49 @@ COMBINE_WARPS = 4
 COMBINE_STAGES = 2  # pipeline stages of the combine's loop over chunks
 
 _LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class Splits:
+    """The KV partition, a function of absolute position only: splits of `size` positions up to `far_from`, then of
+    `far_size` (equal sizes: one uniform partition). `far_from` is a multiple of `size`."""
+
+    size: int
+    far_size: int
+    far_from: int
+
+    @property
+    def near(self) -> int:
+        """Splits before far_from."""
+        return self.far_from // self.size
+
+    def count(self, s_len: int) -> int:
+        """Splits covering a cache of s_len positions."""
+        if s_len <= self.far_from:
+            return -(-s_len // self.size)
+        return self.near + -(-(s_len - self.far_from) // self.far_size)
+
+    def first(self, j):
+        """First position of split j (traced)."""
+        if not self.near:
+            return j * self.far_size
+        return jnp.where(j < self.near, j * self.size, self.far_from + (j - self.near) * self.far_size)
+
+    def blocks(self, j, block_k: int):
+        """Blocks of block_k positions in split j (traced, or static when uniform)."""
+        if not self.near:
+            return self.far_size // block_k
+        near, far = jnp.int32(self.size // block_k), jnp.int32(self.far_size // block_k)
+        return jnp.where(j < self.near, near, far)
+
+    def live(self, last):
+        """Splits holding a position <= last: splits 0 .. live - 1 (traced)."""
+        if not self.near:
+            return last // self.far_size + 1
+        far = self.near + (last - self.far_from) // self.far_size + 1
+        return jnp.where(last < self.far_from, last // self.size + 1, far)
+
+
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -63,18 +108,18 @@ def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _split_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale, slices, block_k, split):
+def _split_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale, slices, block_k, splits):
     """One (KV head, split) program. q_ref [rows, D]: row i is tile row i % R of query head i // R of this KV
     head's group; k_ref/v_ref the whole cache [S, Hkv, D]; o_ref [rows, D] (q dtype), m_ref/l_ref [rows] float32.
     `slices` (static) are the row ranges that each take one dot: all rows at once (heads folded) or one head each."""
     head, j = pl.program_id(0), pl.program_id(1)
     start = start_ref[0]
     last = start + ROW_TILE - 1  # the last position any row of the tile attends
-    first = j * split
+    first = splits.first(j)
 
     @pl.when(first <= last)
     def _():
-        n_blocks = jnp.minimum((last - first) // block_k + 1, split // block_k)
+        n_blocks = jnp.minimum((last - first) // block_k + 1, splits.blocks(j, block_k))
         c = scale * _LOG2E
         qs = [q_ref[pl.ds(lo, n), :] for lo, n in slices]
         limits = [(start + jnp.arange(n, dtype=jnp.int32) % ROW_TILE)[:, None] for _, n in slices]
@@ -109,7 +154,7 @@ def _split_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale,
             l_ref[pl.ds(lo, n)] = den
 
 
-def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, split, chunk):
+def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, splits, chunk):
     """One (query head, row group) program. o_ref [NS, RC, D]; m_ref/l_ref [NS, RC] float32; out_ref [RC, D].
 
     One pass, no rescaling chain: first the max M over the live splits' m (order-free, so exact), then
@@ -118,7 +163,7 @@ def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, split, chunk):
     depend on each other. Splits >= live were never computed (their partials are garbage): their loads are masked
     to m = -inf, l = 0, o = 0 (never read), so they add exact zeros, as does a live split a row sees nothing of.
     """
-    live = (start_ref[0] + ROW_TILE - 1) // split + 1  # splits 0..live-1 were computed
+    live = splits.live(start_ref[0] + ROW_TILE - 1)  # splits 0..live-1 were computed
     steps = (live + chunk - 1) // chunk
     lane = jnp.arange(chunk, dtype=jnp.int32)
 
@@ -187,12 +232,14 @@ def _check_inputs(q, k_cache, v_cache):
         )
 
 
-def _check_tiles(d, s_len, block_k, split, combine_rows, combine_chunk):
+def _check_tiles(d, s_len, block_k, splits: Splits, combine_rows, combine_chunk):
     pow2 = [x > 0 and not x & (x - 1) for x in (d, block_k, combine_chunk)]
-    if not all(pow2) or split % block_k or ROW_TILE % combine_rows:
+    sizes_ok = splits.size % block_k == 0 and splits.far_size % block_k == 0 and splits.far_from % splits.size == 0
+    if not all(pow2) or not sizes_ok or ROW_TILE % combine_rows:
         raise ValueError(
-            f"head_dim {d}, block_k {block_k} and combine_chunk {combine_chunk} must be powers of 2, split {split} "
-            f"a multiple of block_k and combine_rows {combine_rows} a divisor of {ROW_TILE}"
+            f"head_dim {d}, block_k {block_k} and combine_chunk {combine_chunk} must be powers of 2, the split sizes "
+            f"{splits.size} and {splits.far_size} multiples of block_k, far_from {splits.far_from} a multiple of "
+            f"the split {splits.size} and combine_rows {combine_rows} a divisor of {ROW_TILE}"
         )
     if s_len % block_k or s_len < ROW_TILE:
         raise ValueError(f"cache length {s_len} must be a multiple of block_k={block_k} and >= {ROW_TILE}")
@@ -209,6 +256,8 @@ def attention(
     fold_heads: bool = FOLD_HEADS,
     block_k: int | None = None,
     split: int = SPLIT,
+    far_split: int | None = None,
+    far_from: int = 0,
     num_warps: int = NUM_WARPS,
     num_stages: int | None = None,
     combine_rows: int = COMBINE_ROWS,
@@ -222,7 +271,8 @@ def attention(
     Row r attends cache positions 0..start+r; the caller guarantees start + ROW_TILE <= S (positions past
     start + ROW_TILE - 1 may hold stale finite data; blocks past the one holding start + ROW_TILE - 1 are never
     read). GQA: query head h uses KV head h // (Hq // Hkv). The tuning arguments change the bits (never the row
-    exactness); a model keeps the defaults (block_k / num_stages None: `split_tiles` picks them from the shape).
+    exactness); a model keeps the defaults (block_k / num_stages None: `split_tiles` picks them from the shape;
+    far_split None: splits of `split` positions everywhere, else of `far_split` from position `far_from` on).
     """
     _check_inputs(q, k_cache, v_cache)
     _, hq, d = q.shape
@@ -230,7 +280,8 @@ def attention(
     auto_block, auto_stages = split_tiles(rows, d, jnp.dtype(q.dtype).itemsize)
     block_k = auto_block if block_k is None else block_k
     num_stages = auto_stages if num_stages is None else num_stages
-    _check_tiles(d, k_cache.shape[0], block_k, split, combine_rows, combine_chunk)
+    splits = Splits(split, far_split, far_from) if far_split else Splits(split, split, 0)
+    _check_tiles(d, k_cache.shape[0], block_k, splits, combine_rows, combine_chunk)
     m = q.shape[0]
     out = _attention_tile(
         jnp.pad(q, ((0, ROW_TILE - m), (0, 0), (0, 0))),
@@ -241,7 +292,7 @@ def attention(
         interpret=interpret,
         fold_heads=fold_heads,
         block_k=block_k,
-        split=split,
+        splits=splits,
         num_warps=num_warps,
         num_stages=num_stages,
         combine_rows=combine_rows,
@@ -259,7 +310,7 @@ def attention(
         "interpret",
         "fold_heads",
         "block_k",
-        "split",
+        "splits",
         "num_warps",
         "num_stages",
         "combine_rows",
@@ -278,7 +329,7 @@ def _attention_tile(
     interpret,
     fold_heads,
     block_k,
-    split,
+    splits,
     num_warps,
     num_stages,
     combine_rows,
@@ -296,7 +347,7 @@ def _attention_tile(
         interpret=interpret,
         fold_heads=fold_heads,
         block_k=block_k,
-        split=split,
+        splits=splits,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -304,7 +355,7 @@ def _attention_tile(
         start_arr,
         *parts,
         q_heads=q.shape[1],
-        split=split,
+        splits=splits,
         interpret=interpret,
         rows=combine_rows,
         chunk=combine_chunk,
@@ -314,7 +365,7 @@ def _attention_tile(
 
 
 def split_partials(
-    q, k_cache, v_cache, start_arr, *, scale, interpret, fold_heads, block_k, split, num_warps, num_stages
+    q, k_cache, v_cache, start_arr, *, scale, interpret, fold_heads, block_k, splits, num_warps, num_stages
 ):
     """q [ROW_TILE, Hq, D] (rows padded), start_arr int32 [1] -> the split kernel's partials (o [Hkv, NS, T, D] in
     q.dtype, m [Hkv, NS, T], l [Hkv, NS, T] float32; T = padded heads x ROW_TILE rows). Splits past
@@ -325,7 +376,7 @@ def split_partials(
     heads = _tile_heads(group, fold_heads)
     rows = heads * ROW_TILE
     slices = ((0, rows),) if fold_heads else tuple((g * ROW_TILE, ROW_TILE) for g in range(group))
-    n_split = -(-s_len // split)
+    n_split = splits.count(s_len)
     dtype = q.dtype
     # [M, Hq, D] -> [Hkv, heads * R, D]: row g * R + r is tile row r of query head g of the KV head.
     qt = q.reshape(ROW_TILE, hkv, group, d).transpose(1, 2, 0, 3)
@@ -334,7 +385,7 @@ def split_partials(
     scalar = pl.BlockSpec((1,), lambda *_: (0,))
     whole_cache = pl.BlockSpec((s_len, hkv, d), lambda h, j: (0, 0, 0))
     return pl.pallas_call(
-        functools.partial(_split_kernel, scale=scale, slices=slices, block_k=block_k, split=split),
+        functools.partial(_split_kernel, scale=scale, slices=slices, block_k=block_k, splits=splits),
         grid=(hkv, n_split),
         in_specs=[scalar, pl.BlockSpec((None, rows, d), lambda h, j: (h, 0, 0)), whole_cache, whole_cache],
         out_specs=[
@@ -353,7 +404,7 @@ def split_partials(
     )(start_arr, qt, k_cache, v_cache)
 
 
-def combine(start_arr, o_part, m_part, l_part, *, q_heads, split, interpret, rows, chunk, warps, stages):
+def combine(start_arr, o_part, m_part, l_part, *, q_heads, splits, interpret, rows, chunk, warps, stages):
     """The split kernel's partials o_part [Hkv, NS, T, D] (T = padded heads x R rows), m_part/l_part [Hkv, NS, T]
     float32 -> [ROW_TILE, q_heads, D] in o_part.dtype. Splits past start_arr[0] + ROW_TILE - 1 are never read."""
     hkv, n_split, _, d = o_part.shape
@@ -364,7 +415,7 @@ def combine(start_arr, o_part, m_part, l_part, *, q_heads, split, interpret, row
         return h // group, 0, (h % group) * per_head + r
 
     return pl.pallas_call(
-        functools.partial(_combine_kernel, split=split, chunk=chunk),
+        functools.partial(_combine_kernel, splits=splits, chunk=chunk),
         grid=(q_heads, per_head),
         in_specs=[
             pl.BlockSpec((1,), lambda *_: (0,)),

@@ -140,11 +140,12 @@ def test_dispatch_uses_kernel_in_interpret_backend():
     assert np.array_equal(bits(direct), bits(routed))
 
 
-def test_lowers_for_gpu():
+@pytest.mark.parametrize("splits", [{}, dict(split=256, far_split=1024, far_from=1024)])
+def test_lowers_for_gpu(splits):
     """The compiled (Triton) path lowers for CUDA on a CPU-only machine: both kernels become Triton calls."""
     shapes = [((16, 40, 128), jnp.bfloat16), ((2048, 8, 128), jnp.bfloat16), ((2048, 8, 128), jnp.bfloat16)]
     args = [jax.ShapeDtypeStruct(s, t) for s, t in shapes] + [jax.ShapeDtypeStruct((), jnp.int32)]
-    fn = jax.jit(functools.partial(attention_kernel.attention, scale=128**-0.5, interpret=False))
+    fn = jax.jit(functools.partial(attention_kernel.attention, scale=128**-0.5, interpret=False, **splits))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("triton") >= 2
 
@@ -200,13 +201,40 @@ def test_rows_exact_over_many_combine_chunks():
     )
 
 
+@pytest.mark.parametrize("splits", [(32, 32, 0), (32, 64, 64), (16, 64, 32), (32, 96, 96)])
+def test_splits_count_first_and_live_agree_with_the_partition(splits):
+    part = attention_kernel.Splits(*splits)
+    for s_len in (16, 48, 64, 96, 272):
+        bounds = [0]
+        while bounds[-1] < s_len:
+            size = part.size if bounds[-1] < part.far_from else part.far_size
+            bounds.append(bounds[-1] + size)
+        assert part.count(s_len) == len(bounds) - 1
+        for j, lo in enumerate(bounds[:-1]):
+            assert int(part.first(jnp.int32(j))) == lo and int(part.blocks(jnp.int32(j), 16)) * 16 == bounds[j + 1] - lo
+        for last in range(s_len):
+            assert int(part.live(jnp.int32(last))) == sum(lo <= last for lo in bounds[:-1])
+
+
+def test_rows_exact_with_longer_splits_far_out():
+    # splits of 32 up to position 64, then of 64: positions 52..140 cross the 64 and 128 boundaries
+    kw = dict(s_len=272, block_k=16, split=32, far_split=64, far_from=64)
+    _check_rows_exact(jnp.float32, list(range(52, 141)), [1, 3, 16], **kw)
+    q_hist, k_hist, v_hist = _history(jnp.float32, s_len=272)
+    q, start = q_hist[120:136], jnp.int32(120)
+    out = attention_kernel.attention(
+        q, k_hist, v_hist, start, scale=SCALE, interpret=True, block_k=16, split=32, far_split=64, far_from=64
+    )
+    ref = reference_attention(q, k_hist, v_hist, start, scale=SCALE)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("poison", [jnp.nan, jnp.inf])
 def test_combine_never_reads_dead_splits(poison):
     """The partials of splits past start + 15 are never written; garbage there (NaN, inf) leaves every bit of the
     combine's output unchanged, and so does a combine step that holds only dead splits."""
     q_hist, k_hist, v_hist = _history(jnp.float32, seed=13, s_len=272)
     start = jnp.array([40], jnp.int32)  # positions 40..55: splits 0..3 of 16 are live, 4..16 dead
-    tiles = dict(block_k=16, split=16)
     o, m, s = attention_kernel.split_partials(
         q_hist[40:56],
         k_hist,
@@ -217,19 +245,21 @@ def test_combine_never_reads_dead_splits(poison):
         fold_heads=True,
         num_warps=4,
         num_stages=1,
-        **tiles,
+        block_k=16,
+        splits=attention_kernel.Splits(16, 16, 0),
     )
     dead = (jnp.arange(o.shape[1]) >= 4)[None, :, None]
     bad = [jnp.where(dead[..., None], poison, o), jnp.where(dead, poison, m), jnp.where(dead, poison, s)]
     outs = []
     for chunk in (2, 8):
-        kw = dict(q_heads=HQ, split=16, interpret=True, rows=2, chunk=chunk, warps=4, stages=2)
+        kw = dict(q_heads=HQ, splits=attention_kernel.Splits(16, 16, 0), interpret=True, rows=2, chunk=chunk)
+        kw.update(warps=4, stages=2)
         clean = attention_kernel.combine(start, o, m, s, **kw)
         dirty = attention_kernel.combine(start, *bad, **kw)
         assert np.all(np.isfinite(np.asarray(dirty))) and np.array_equal(bits(clean), bits(dirty)), chunk
         outs.append(clean)
     call = attention_kernel.attention(
-        q_hist[40:56], k_hist, v_hist, start[0], scale=SCALE, interpret=True, combine_chunk=8, **tiles
+        q_hist[40:56], k_hist, v_hist, start[0], scale=SCALE, interpret=True, combine_chunk=8, block_k=16, split=16
     )
     assert np.array_equal(bits(outs[1]), bits(call))
     ref = reference_attention(q_hist[40:56], k_hist, v_hist, start[0], scale=SCALE)
