@@ -37,7 +37,8 @@ from pallas_kernels.int4_matmul import _combine
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Int4Codes:
-    """A symmetric Int4Weight W [K, N] prepared for this kernel: codes int4 [N, K] = q - 8, scales bf16 [N, K/32]."""
+    """A symmetric Int4Weight W [K, N] prepared for this kernel: codes int4 [N, K] = q - 8 with the k of every 32-k
+    block in `STORED_K` order, scales bf16 [N, K/32] (unchanged)."""
 
     codes: jax.Array
     scales: jax.Array
