@@ -12,8 +12,8 @@ best of torch `x.sum()` and XLA `jnp.sum` over a 2 GB bf16 tensor. Row-exactness
 M in 1..16) is checked on the GPU for every shape. On the shapes `prepare_ws` hands to it (gate_up, down, lm_head)
 the warp-specialized Mosaic GPU kernel (`pallas_kernels.int4_ws`, on its prepared Int4Codes) is timed and checked
 too. Timing: each measured executable runs the op on R distinct weight copies back to back (R * bytes >= 128 MB,
-twice the 60 MB L2, R <= 8); executables are dispatched 10 at a time and blocked on once, so host overhead stays hidden; per-call
-time is the median over repeats of (batch time / 10 / R).
+twice the 60 MB L2, R <= 8); executables are dispatched 10 at a time and blocked on once, so host overhead stays
+hidden; per-call time is the median over repeats of (batch time / 10 / R).
 torch is timed the same way through a CUDA graph of R calls. The naive dequantize-then-dot is timed at M=1 only.
 `--sweep` times alternative tile configurations of the kernel at M=16 (used to pick the defaults).
 """
