@@ -25,7 +25,7 @@ from jspec.gate import HitDensityGate
 from jspec.generate import LoopSettings, decode_round, generate_on_device, prefill_round, verify_round
 from jspec.stats import STOP_REASONS, SpecStats
 from pallas_kernels import get_backend, prepare_reference, prepare_ws
-from pallas_kernels.matmul import prepared_nbytes, reference_prep_fits
+from pallas_kernels.matmul import prepared_nbytes, reference_prep_fits, ws_prep_nbytes
 
 MIN_BUCKET = 16
 
@@ -42,11 +42,11 @@ class Engine:
     k: the draft length verified per verify step (1 <= k <= ROW_TILE - 1).
     prepare: prepare the int4 weights once for the kernel backend. "reference" (CPU): dequantize them
       (`pallas_kernels.prepare_reference`: same bits, more memory) instead of in every step; "pallas" (GPU) with
-      bfloat16 activations: hand the symmetric ones to the warp-specialized Mosaic GPU kernel
-      (`pallas_kernels.prepare_ws`: same memory, faster than the Triton kernel). None: `prepares_by_default`
-      (both of those; on the reference backend not when the copy would take over a quarter of physical memory:
-      then a warning says so and every step dequantizes).
-      `self.prepared` records the choice.
+      bfloat16 activations: hand the large symmetric ones to the warp-specialized Mosaic GPU kernel
+      (`pallas_kernels.prepare_ws`: a re-ordered copy of the same size, faster than the Triton kernel). None:
+      `prepares_by_default` (both of those), unless the copy would not fit (`prep_shortfall`: over a quarter of
+      physical memory for the reference halves, more than the device's free memory for the codes): then a warning
+      says so and the weights stay as they are. `self.prepared` records the choice.
     """
 
     def __init__(
@@ -61,12 +61,10 @@ class Engine:
         backend = get_backend()
         if prepare is None:
             prepare = prepares_by_default(backend, self.dtype)
-            if backend == "reference" and not reference_prep_fits(params, self.dtype):
+            short = prepare and prep_shortfall(params, self.dtype, backend)
+            if short:
                 warnings.warn(
-                    f"int4 weights are dequantized in every step (slower): their prepared copy "
-                    f"({prepared_nbytes(params, self.dtype) / 2**30:.1f} GiB) would take over a quarter of this "
-                    "machine's memory; pass prepare=True to use it anyway or prepare=False to silence this",
-                    stacklevel=2,
+                    f"{short}; pass prepare=True to use it anyway or prepare=False to silence this", stacklevel=2
                 )
                 prepare = False
         self.prepared = bool(prepare)
@@ -247,6 +245,30 @@ def prepares_by_default(backend: str, dtype: str) -> bool:
     """Whether Engine(prepare=None) prepares the int4 weights: on the reference backend, and on the GPU ("pallas")
     with bfloat16 activations, where the Mosaic GPU kernel (`prepare_ws`) is the faster one."""
     return backend == "reference" or (backend == "pallas" and dtype == "bfloat16")
+
+
+def prep_shortfall(params, dtype: str, backend: str) -> str | None:
+    """Why the default preparation would not fit in memory (None: it fits or cannot be checked)."""
+    if backend == "reference" and not reference_prep_fits(params, dtype):
+        need = prepared_nbytes(params, dtype) / 2**30
+        return (
+            f"int4 weights are dequantized in every step (slower): their prepared copy ({need:.1f} GiB) would take "
+            "over a quarter of this machine's memory"
+        )
+    free = device_free_bytes() if backend == "pallas" else None
+    if free is not None and ws_prep_nbytes(params) > free:
+        need = ws_prep_nbytes(params) / 2**30
+        return (
+            f"the large int4 weights stay on the Triton kernel (slower): preparing them for the Mosaic GPU kernel "
+            f"needs {need:.1f} GiB of device memory, {free / 2**30:.1f} GiB is free"
+        )
+    return None
+
+
+def device_free_bytes() -> int | None:
+    """Free bytes of the default device's allocator (None where it reports no statistics)."""
+    stats = jax.devices()[0].memory_stats()
+    return stats["bytes_limit"] - stats["bytes_in_use"] if stats and "bytes_limit" in stats else None
 
 
 def prepare_params(params, dtype: str, backend: str):

@@ -146,11 +146,19 @@ def prepare_ws(params, min_weights: int = WS_MIN_WEIGHTS):
     kernel 1.1-1.4x on those shapes (gate_up, down, lm_head of 7B/14B) and was no faster on the smaller ones
     (qkv, o: 13-26 M weights) (benchmarks/results/int4_streamk_h200.json)."""
 
-    def codes(w):
-        k, n = w.shape
-        return prepare_codes(w) if w.zeros is None and k * n >= min_weights and fits(k, n) else w
+    return _map_int4(lambda w: prepare_codes(w) if _takes_ws(w, min_weights) else w, params)
 
-    return _map_int4(codes, params)
+
+def _takes_ws(w: Int4Weight, min_weights: int) -> bool:
+    k, n = w.shape
+    return w.zeros is None and k * n >= min_weights and fits(k, n)
+
+
+def ws_prep_nbytes(params, min_weights: int = WS_MIN_WEIGHTS) -> int:
+    """Device bytes `prepare_ws(params, min_weights)` needs: a copy of the codes it converts (the caller keeps the
+    originals) plus the largest conversion's temporaries (~3 bytes a weight: unpacked, re-biased, re-packed)."""
+    taken = [w for w in jax.tree.leaves(params, is_leaf=_is_int4) if _is_int4(w) and _takes_ws(w, min_weights)]
+    return sum(w.nbytes for w in taken) + max((3 * w.shape[0] * w.shape[1] for w in taken), default=0)
 
 
 def prepared_nbytes(params, dtype) -> int:
