@@ -14,10 +14,11 @@ kmajor (Pallas Triton)  weights transposed once to k-major bytes [K/2, N] and sc
     the nibble picked by row parity: one K = 32 dot on un-split x). `_pf` = the next tiles are loaded one step ahead
     by hand (loop carry) instead of by Triton's pipeliner.
 ws (Pallas Mosaic GPU, warp-specialized: `pallas_kernels.int4_ws`, whose docstring describes it) on
-    `Int4Codes` (signed int4 codes, natural k order: no even/odd split of x). Options (`int4_ws.Config`): ring
-    `stages`, `ctas` and `min_steps` of the stream-K partition; `divisor` variants instead give one CTA per
-    (tile, divisor split of K), the partition measured before stream-K. (Earlier runs, in the JSON, also measured
-    a `cast` relayout, `wait=1` and an `uneven` split; see KERNEL_NOTES.md.) GPU only (no interpret mode).
+    `Int4Codes` (signed int4 codes, k reordered inside each 32-k block: no even/odd split of x). Options
+    (`int4_ws.Config`): ring `stages`, `ctas` and `min_steps` of the stream-K partition; `divisor` variants
+    instead give one CTA per (tile, divisor split of K), the partition measured before stream-K. (Earlier runs, in
+    the JSON, also measured a `cast` relayout, `wait=1` and an `uneven` split; see KERNEL_NOTES.md.) GPU only (no
+    interpret mode).
 
 Run on the GPU:  python3 benchmarks/int4_layouts.py --out $OUT/int4_layouts_h200.json --commit SHA
 CPU check:       python benchmarks/int4_layouts.py --smoke   (kmajor variants in interpret mode, tiny shape)
@@ -166,8 +167,8 @@ def ws_op(k: int, n: int, divisor: bool = False, **cfg):
     one CTA per (tile, divisor split of K) as before the stream-K partition (the Triton kernel's split rule)."""
     config = int4_ws.Config(**cfg)
     if divisor:
-        tiles, steps = n // (2 * config.wg_rows), k // config.tile_k
-        config = int4_ws.Config(**cfg, ctas=tiles * im.pick_split(tiles, steps), min_steps=1)
+        part = int4_ws.partition(k, n, config)
+        config = int4_ws.Config(**cfg, ctas=part.tiles * im.pick_split(part.tiles, part.steps), min_steps=1)
     return functools.partial(int4_ws.rows_matmul, config=config)
 
 

@@ -256,13 +256,15 @@ def prep_shortfall(params, dtype: str, backend: str) -> str | None:
             "over a quarter of this machine's memory"
         )
     free = device_free_bytes() if backend == "pallas" else None
-    if free is not None and ws_prep_nbytes(params) > free:
-        need = ws_prep_nbytes(params) / 2**30
-        return (
-            f"the large int4 weights stay on the Triton kernel (slower): preparing them for the Mosaic GPU kernel "
-            f"needs {need:.1f} GiB of device memory, {free / 2**30:.1f} GiB is free"
-        )
-    return None
+    if free is None:
+        return None
+    need = ws_prep_nbytes(params)
+    if need <= free:
+        return None
+    return (
+        f"the large int4 weights stay on the Triton kernel (slower): preparing them for the Mosaic GPU kernel "
+        f"needs {need / 2**30:.1f} GiB of device memory, {free / 2**30:.1f} GiB is free"
+    )
 
 
 def device_free_bytes() -> int | None:
