@@ -180,10 +180,16 @@ KMAJOR = [  # (mode, block_n, groups, warps, stages, prefetch)
 WS = {
     "ws_divisor_s4": dict(divisor=True),
     "ws_streamk_s4": dict(),
-    "ws_streamk_s6": dict(stages=6),
-    "ws_streamk_s3_x2": dict(stages=3, ctas=264),
-    "ws_streamk_min8": dict(min_steps=8),
-    "ws_streamk_min2": dict(min_steps=2),
+    "ws_c2": dict(chunks=2),
+    "ws_c4": dict(chunks=4),
+    "ws_ov": dict(overlap=True),
+    "ws_c2_ov": dict(chunks=2, overlap=True),
+    "ws_c4_ov": dict(chunks=4, overlap=True),
+    "ws_w4_c4": dict(consumers=4, chunks=4),
+    "ws_w4_c2_ov": dict(consumers=4, chunks=2, overlap=True),
+    "ws_w4_c4_ov": dict(consumers=4, chunks=4, overlap=True),
+    "ws_r128_c4_ov": dict(wg_rows=128, chunks=4, overlap=True),
+    "ws_w4_c4_ov_s3": dict(consumers=4, chunks=4, overlap=True, stages=3),
 }
 
 

@@ -57,14 +57,24 @@ class Int4Codes:
 @dataclasses.dataclass(frozen=True)
 class Config:
     """tile_k: k per pipeline step (256: 128 code bytes per row, one 128B swizzle); stages: ring depth; wg_rows:
-    weight rows per consumer warpgroup (a tile = 2 x wg_rows rows); ctas: CTAs of the stream-K partition (None:
-    the device's SM count, one CTA per SM); min_steps: fewest pipeline steps per CTA (small shapes get fewer CTAs)."""
+    weight rows per consumer warpgroup (a tile = consumers x wg_rows rows); ctas: CTAs of the stream-K partition (None:
+    the device's SM count, one CTA per SM); min_steps: fewest pipeline steps per CTA (small shapes get fewer CTAs);
+    chunks: k chunks per step, each converted and handed to its own wgmma before the next is converted; overlap: a
+    step's wgmma is left running while the next step converts (its ring slot is released one step late);
+    consumers: consumer warpgroups per CTA."""
 
     tile_k: int = 256
     stages: int = 4
     wg_rows: int = 64
     ctas: int | None = None
     min_steps: int = 4
+    chunks: int = 1
+    overlap: bool = False
+    consumers: int = 2
+
+    @property
+    def tile_rows(self) -> int:
+        return self.consumers * self.wg_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +133,7 @@ def to_int4_weight(w: Int4Codes) -> Int4Weight:
 
 def fits(k: int, n: int, cfg: Config = Config()) -> bool:
     """Whether the kernel's tiles divide the shape."""
-    return k % cfg.tile_k == 0 and n % (2 * cfg.wg_rows) == 0
+    return k % cfg.tile_k == 0 and n % cfg.tile_rows == 0
 
 
 def sm_count() -> int:
@@ -134,7 +144,7 @@ def sm_count() -> int:
 def partition(k: int, n: int, cfg: Config) -> Partition:
     """The stream-K partition of a [K, N] weight: cfg.ctas CTAs (default one per SM), at least cfg.min_steps
     pipeline steps each, never more CTAs than units."""
-    tiles, steps = n // (2 * cfg.wg_rows), k // cfg.tile_k
+    tiles, steps = n // cfg.tile_rows, k // cfg.tile_k
     ctas = cfg.ctas or sm_count()
     return Partition(tiles, steps, max(1, min(ctas, tiles * steps // cfg.min_steps)))
 
@@ -152,7 +162,7 @@ def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> 
         raise ValueError(f"Int4Codes {w.shape} (K, N) do not fit x K={k} or the kernel tiles {cfg}")
     part = partition(k, n, cfg)
     parts = _tile(jnp.pad(x, ((0, ROW_TILE - m), (0, 0))), w.codes, w.scales, cfg=cfg, part=part)
-    live = np.repeat(np.arange(parts.shape[0])[:, None] < part.segments[None, :], 2 * cfg.wg_rows, axis=1)
+    live = np.repeat(np.arange(parts.shape[0])[:, None] < part.segments[None, :], cfg.tile_rows, axis=1)
     return jax.lax.optimization_barrier(_combine(parts, live))[:m]
 
 
@@ -163,7 +173,8 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     tile_k, wg_rows = cfg.tile_k, cfg.wg_rows
-    tile_rows, groups = 2 * wg_rows, tile_k // BLOCK
+    tile_rows, groups, chunk_k = cfg.tile_rows, tile_k // BLOCK, tile_k // cfg.chunks
+    release = dict(delay_release=1) if cfg.overlap else {}
     steps, units, ctas = part.steps, part.units, part.ctas
     code_swizzle, x_swizzle = min(128, tile_k // 2), min(128, tile_k * 2)
     code_tf = (plgpu.TilingTransform((8, code_swizzle * 2)), plgpu.SwizzleTransform(code_swizzle))
@@ -183,13 +194,6 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
         def body(idx, c_smem, s_smem, x_smem, acc_ref):
             j = idx[0]
             t, ks = unit(j)
-            q = plgpu.load(c_smem.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X)
-            w = _as_wgmma(q.astype(jnp.bfloat16))
-            parts = []
-            for g in range(groups):
-                sg = plgpu.load(s_smem.at[rows, g], layout=row_layout)
-                parts.append(w[:, g * BLOCK : (g + 1) * BLOCK] * jax.lax.broadcast_in_dim(sg, (wg_rows, BLOCK), [0]))
-            wd = jnp.concatenate(parts, axis=1) if groups > 1 else parts[0]
 
             @pl.when((ks == 0) | (j == 0))  # a segment starts: a fresh accumulator
             def _():
@@ -197,12 +201,24 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
 
             @pl.when(j < count)
             def _():
-                plgpu.wgmma(acc_ref, wd, x_smem.T)
+                q = plgpu.load(c_smem.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X)
+                for ch in range(cfg.chunks):
+                    cols = slice(ch * chunk_k, (ch + 1) * chunk_k)
+                    w = _as_wgmma(q[:, cols].astype(jnp.bfloat16))
+                    parts = []
+                    for g in range(chunk_k // BLOCK):
+                        sg = plgpu.load(s_smem.at[rows, ch * chunk_k // BLOCK + g], layout=row_layout)
+                        scale = jax.lax.broadcast_in_dim(sg, (wg_rows, BLOCK), [0])
+                        parts.append(w[:, g * BLOCK : (g + 1) * BLOCK] * scale)
+                    wd = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+                    plgpu.wgmma(acc_ref, wd, x_smem.at[:, cols].T)
 
-            plgpu.wgmma_wait(0)
+            ends = (j < count) & ((ks == steps - 1) | (j == count - 1))
+            plgpu.wgmma_wait(1 if cfg.overlap else 0)
 
-            @pl.when((j < count) & ((ks == steps - 1) | (j == count - 1)))  # a segment ends: store its partial
+            @pl.when(ends)  # a segment ends: store its partial
             def _():
+                plgpu.wgmma_wait(0)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read o_smem
                 o_smem[wg] = acc_ref[...]
                 plgpu.commit_smem()
@@ -223,12 +239,12 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             grid=(part.per_cta,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((tile_rows, tile_k), unit, transforms=code_tf),
-                plgpu.BlockSpec((tile_rows, groups), unit),
-                plgpu.BlockSpec((ROW_TILE, tile_k), lambda j: (0, unit(j)[1]), transforms=x_tf),
+                plgpu.BlockSpec((tile_rows, tile_k), unit, transforms=code_tf, **release),
+                plgpu.BlockSpec((tile_rows, groups), unit, **release),
+                plgpu.BlockSpec((ROW_TILE, tile_k), lambda j: (0, unit(j)[1]), transforms=x_tf, **release),
             ],
             wg_axis="wg",
-            num_compute_wgs=2,
+            num_compute_wgs=cfg.consumers,
             max_concurrent_steps=cfg.stages,
             compute_context=compute_context,
         )(c_gmem, s_gmem, x_gmem)
@@ -238,9 +254,9 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
         out_type=jax.ShapeDtypeStruct((int(part.segments.max()), part.tiles * tile_rows, ROW_TILE), jnp.float32),
         grid=(ctas,),
         grid_names=("c",),
-        num_threads=3,
+        num_threads=cfg.consumers + 1,
         thread_name="wg",
-        scratch_types=dict(o_smem=plgpu.SMEM((2, wg_rows, ROW_TILE), jnp.float32)),
+        scratch_types=dict(o_smem=plgpu.SMEM((cfg.consumers, wg_rows, ROW_TILE), jnp.float32)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(xp, codes, scales)
     return jnp.swapaxes(out, 1, 2)
