@@ -207,13 +207,14 @@ def variants(k: int, n: int) -> dict:
     return out
 
 
-def measure(op, weights, x16, ref, nbytes, roof) -> dict:
+def measure(op, weights, x16, ref, nbytes, roof, ms=(16, 1)) -> dict:
+    """Bits of rows for M = 1, 3, 8 vs 16 and the time per call at each M in ms."""
     r = {}
     try:
         y = np.asarray(jax.jit(op)(x16, weights[0]))
         r["max_abs_vs_naive"] = float(np.max(np.abs(y - ref)))
         r.update(ib.exactness(op, x16, weights[0], (1, 3, 8)))
-        for m in (16, 1):
+        for m in ms:
             r[f"m{m}_s"] = ib.time_calls(op, x16[:m], weights, 5)
             r[f"m{m}_frac_roofline"] = nbytes / r[f"m{m}_s"] / roof
     except Exception as e:  # noqa: BLE001 - a variant that does not build is recorded, the study goes on
@@ -229,6 +230,7 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--only", help="comma list of variant names (module is always run)")
     ap.add_argument("--shapes", help=f"comma list of shapes (default all: {','.join(SHAPES)})")
+    ap.add_argument("--m1-only", action="store_true", help="time M = 1 only (the kernel is the same for every M)")
     ap.add_argument("--profile", help="run one call of this variant at 14b/gate_up (for ncu) and exit")
     args = ap.parse_args()
     if args.smoke:
@@ -260,14 +262,19 @@ def main():
         for name, (op, prep) in variants(k, n).items():
             if args.only and name != "module" and name not in args.only.split(","):
                 continue
-            r = res["variants"][name] = measure(op, [prep(w) for w in native], x16, ref, nbytes, roof)
+            r = res["variants"][name] = measure(
+                op, [prep(w) for w in native], x16, ref, nbytes, roof, (1,) if args.m1_only else (16, 1)
+            )
             if "error" in r:
                 print(f"{shape:12s} {name:34s} ERROR {r['error'].splitlines()[-1][:300]}", flush=True)
             else:
                 print(
                     f"{shape:12s} {name:34s} exact={r['row_exact']!s:5s} "
-                    f"M16 {r['m16_s'] * 1e6:8.1f}us {100 * r['m16_frac_roofline']:5.1f}%  "
-                    f"M1 {r['m1_s'] * 1e6:8.1f}us {100 * r['m1_frac_roofline']:5.1f}%",
+                    + "  ".join(
+                        f"M{m} {r[f'm{m}_s'] * 1e6:8.1f}us {100 * r[f'm{m}_frac_roofline']:5.1f}%"
+                        for m in (16, 1)
+                        if f"m{m}_s" in r
+                    ),
                     flush=True,
                 )
         del native
