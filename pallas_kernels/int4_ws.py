@@ -71,6 +71,8 @@ class Config:
     chunks: int = 1
     overlap: bool = False
     consumers: int = 2
+    guard: bool = True
+    zero: str = "branch"
 
     @property
     def tile_rows(self) -> int:
@@ -195,12 +197,17 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             j = idx[0]
             t, ks = unit(j)
 
-            @pl.when((ks == 0) | (j == 0))  # a segment starts: a fresh accumulator
-            def _():
-                acc_ref[...] = plgpu.layout_cast(jnp.zeros((wg_rows, ROW_TILE), jnp.float32), plgpu.Layout.WGMMA)
+            start = (ks == 0) | (j == 0)  # a segment starts: a fresh accumulator
+            if cfg.zero == "branch":
 
-            @pl.when(j < count)
-            def _():
+                @pl.when(start)
+                def _():
+                    acc_ref[...] = plgpu.layout_cast(jnp.zeros((wg_rows, ROW_TILE), jnp.float32), plgpu.Layout.WGMMA)
+
+            else:
+                acc_ref[...] = jnp.where(start, jnp.float32(0), acc_ref[...])
+
+            def product():
                 q = plgpu.load(c_smem.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X)
                 for ch in range(cfg.chunks):
                     cols = slice(ch * chunk_k, (ch + 1) * chunk_k)
@@ -212,6 +219,11 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
                         parts.append(w[:, g * BLOCK : (g + 1) * BLOCK] * scale)
                     wd = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
                     plgpu.wgmma(acc_ref, wd, x_smem.at[:, cols].T)
+
+            if cfg.guard:
+                pl.when(j < count)(product)
+            else:  # past its last unit a CTA repeats that unit's product into an accumulator nobody reads
+                product()
 
             ends = (j < count) & ((ks == steps - 1) | (j == count - 1))
             plgpu.wgmma_wait(1 if cfg.overlap else 0)
