@@ -182,14 +182,8 @@ WS = {
     "ws_streamk_s4": dict(),
     "ws_c2": dict(chunks=2),
     "ws_c4": dict(chunks=4),
-    "ws_ov": dict(overlap=True),
-    "ws_c2_ov": dict(chunks=2, overlap=True),
-    "ws_c4_ov": dict(chunks=4, overlap=True),
-    "ws_w4_c4": dict(consumers=4, chunks=4),
-    "ws_w4_c2_ov": dict(consumers=4, chunks=2, overlap=True),
-    "ws_w4_c4_ov": dict(consumers=4, chunks=4, overlap=True),
-    "ws_r128_c4_ov": dict(wg_rows=128, chunks=4, overlap=True),
-    "ws_w4_c4_ov_s3": dict(consumers=4, chunks=4, overlap=True, stages=3),
+    "ws_w4_c2": dict(consumers=4, chunks=2),
+    "ws_r128_c2": dict(wg_rows=128, chunks=2),
 }
 
 

@@ -59,9 +59,8 @@ class Config:
     """tile_k: k per pipeline step (256: 128 code bytes per row, one 128B swizzle); stages: ring depth; wg_rows:
     weight rows per consumer warpgroup (a tile = consumers x wg_rows rows); ctas: CTAs of the stream-K partition (None:
     the device's SM count, one CTA per SM); min_steps: fewest pipeline steps per CTA (small shapes get fewer CTAs);
-    chunks: k chunks per step, each converted and handed to its own wgmma before the next is converted; overlap: a
-    step's wgmma is left running while the next step converts (its ring slot is released one step late);
-    consumers: consumer warpgroups per CTA."""
+    chunks: k chunks per step, each converted and handed to its own wgmma before the next is converted; consumers:
+    consumer warpgroups per CTA."""
 
     tile_k: int = 256
     stages: int = 4
@@ -69,10 +68,7 @@ class Config:
     ctas: int | None = None
     min_steps: int = 4
     chunks: int = 1
-    overlap: bool = False
     consumers: int = 2
-    guard: bool = True
-    zero: str = "branch"
 
     @property
     def tile_rows(self) -> int:
@@ -176,7 +172,6 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
 
     tile_k, wg_rows = cfg.tile_k, cfg.wg_rows
     tile_rows, groups, chunk_k = cfg.tile_rows, tile_k // BLOCK, tile_k // cfg.chunks
-    release = dict(delay_release=1) if cfg.overlap else {}
     steps, units, ctas = part.steps, part.units, part.ctas
     code_swizzle, x_swizzle = min(128, tile_k // 2), min(128, tile_k * 2)
     code_tf = (plgpu.TilingTransform((8, code_swizzle * 2)), plgpu.SwizzleTransform(code_swizzle))
@@ -197,40 +192,26 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             j = idx[0]
             t, ks = unit(j)
 
-            start = (ks == 0) | (j == 0)  # a segment starts: a fresh accumulator
-            if cfg.zero == "branch":
+            # A segment starts: a fresh accumulator. Every step runs the same straight-line wgmma code (a CTA past
+            # its last unit repeats that unit into an accumulator nobody reads, and the zeroing is a select): a
+            # wgmma or an accumulator write under a branch makes ptxas serialize every wgmma instruction (C7515).
+            acc_ref[...] = jnp.where((ks == 0) | (j == 0), jnp.float32(0), acc_ref[...])
+            q = plgpu.load(c_smem.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X)
+            for ch in range(cfg.chunks):
+                cols = slice(ch * chunk_k, (ch + 1) * chunk_k)
+                w = _as_wgmma(q[:, cols].astype(jnp.bfloat16))
+                parts = []
+                for g in range(chunk_k // BLOCK):
+                    sg = plgpu.load(s_smem.at[rows, ch * chunk_k // BLOCK + g], layout=row_layout)
+                    parts.append(
+                        w[:, g * BLOCK : (g + 1) * BLOCK] * jax.lax.broadcast_in_dim(sg, (wg_rows, BLOCK), [0])
+                    )
+                wd = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+                plgpu.wgmma(acc_ref, wd, x_smem.at[:, cols].T)
+            plgpu.wgmma_wait(0)
 
-                @pl.when(start)
-                def _():
-                    acc_ref[...] = plgpu.layout_cast(jnp.zeros((wg_rows, ROW_TILE), jnp.float32), plgpu.Layout.WGMMA)
-
-            else:
-                acc_ref[...] = jnp.where(start, jnp.float32(0), acc_ref[...])
-
-            def product():
-                q = plgpu.load(c_smem.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                for ch in range(cfg.chunks):
-                    cols = slice(ch * chunk_k, (ch + 1) * chunk_k)
-                    w = _as_wgmma(q[:, cols].astype(jnp.bfloat16))
-                    parts = []
-                    for g in range(chunk_k // BLOCK):
-                        sg = plgpu.load(s_smem.at[rows, ch * chunk_k // BLOCK + g], layout=row_layout)
-                        scale = jax.lax.broadcast_in_dim(sg, (wg_rows, BLOCK), [0])
-                        parts.append(w[:, g * BLOCK : (g + 1) * BLOCK] * scale)
-                    wd = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-                    plgpu.wgmma(acc_ref, wd, x_smem.at[:, cols].T)
-
-            if cfg.guard:
-                pl.when(j < count)(product)
-            else:  # past its last unit a CTA repeats that unit's product into an accumulator nobody reads
-                product()
-
-            ends = (j < count) & ((ks == steps - 1) | (j == count - 1))
-            plgpu.wgmma_wait(1 if cfg.overlap else 0)
-
-            @pl.when(ends)  # a segment ends: store its partial
+            @pl.when((j < count) & ((ks == steps - 1) | (j == count - 1)))  # a segment ends: store its partial
             def _():
-                plgpu.wgmma_wait(0)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read o_smem
                 o_smem[wg] = acc_ref[...]
                 plgpu.commit_smem()
@@ -251,9 +232,9 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             grid=(part.per_cta,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((tile_rows, tile_k), unit, transforms=code_tf, **release),
-                plgpu.BlockSpec((tile_rows, groups), unit, **release),
-                plgpu.BlockSpec((ROW_TILE, tile_k), lambda j: (0, unit(j)[1]), transforms=x_tf, **release),
+                plgpu.BlockSpec((tile_rows, tile_k), unit, transforms=code_tf),
+                plgpu.BlockSpec((tile_rows, groups), unit),
+                plgpu.BlockSpec((ROW_TILE, tile_k), lambda j: (0, unit(j)[1]), transforms=x_tf),
             ],
             wg_axis="wg",
             num_compute_wgs=cfg.consumers,

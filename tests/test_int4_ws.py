@@ -125,9 +125,9 @@ def test_stream_k_partition_covers_every_unit_once_in_numbered_segments(k, n, ct
         int4_ws.Config(),
         int4_ws.Config(ctas=7, min_steps=1),
         int4_ws.Config(ctas=4, min_steps=1),
-        int4_ws.Config(ctas=7, min_steps=1, chunks=4, overlap=True),
-        int4_ws.Config(ctas=3, min_steps=1, chunks=2, overlap=True, consumers=4),
-        int4_ws.Config(ctas=5, min_steps=1, chunks=4, overlap=True, wg_rows=128),
+        int4_ws.Config(ctas=7, min_steps=1, chunks=4),
+        int4_ws.Config(ctas=3, min_steps=1, chunks=2, consumers=4),
+        int4_ws.Config(ctas=5, min_steps=1, chunks=2, wg_rows=128),
     ],
 )
 def test_gpu_row_exact_and_close_to_the_reference(config):
