@@ -15,8 +15,9 @@ kmajor (Pallas Triton)  weights transposed once to k-major bytes [K/2, N] and sc
     by hand (loop carry) instead of by Triton's pipeliner.
 ws (Pallas Mosaic GPU, warp-specialized: `pallas_kernels.int4_ws`, whose docstring describes it) on
     `Int4Codes` (signed int4 codes, k reordered inside each 32-k block: no even/odd split of x). Options
-    (`int4_ws.Config`): ring `stages`, `ctas` and `min_steps` of the stream-K partition; `divisor` variants
-    instead give one CTA per (tile, divisor split of K), the partition measured before stream-K. (Earlier runs, in
+    (`int4_ws.Config`): ring `stages`, `ctas` and `min_steps` of the stream-K partition, `chunks` (k chunks per
+    step, each converted and handed to its own wgmma), `wg_rows`; `divisor` variants instead give one CTA per
+    (tile, divisor split of K), the partition measured before stream-K. (Earlier runs, in
     the JSON, also measured a `cast` relayout, `wait=1` and an `uneven` split; see KERNEL_NOTES.md.) GPU only (no
     interpret mode).
 
@@ -182,7 +183,6 @@ WS = {
     "ws_streamk_s4": dict(),
     "ws_c2": dict(chunks=2),
     "ws_c4": dict(chunks=4),
-    "ws_w4_c2": dict(consumers=4, chunks=2),
     "ws_r128_c2": dict(wg_rows=128, chunks=2),
 }
 

@@ -15,8 +15,10 @@ CTA (one per SM) an even share of the (row tile, k step) units. Per CTA one TMA 
 memory loads), convert them (exact), multiply by the group scales (one bf16 rounding: exactly the
 `pallas_kernels.int4` formula bf16(f32(q - 8) * f32(s))) and issue wgmma with the 16 tokens on N, accumulating
 float32 [wg_rows, 16]; at the end of each tile's run of steps (a segment) the accumulator goes to that segment's
-partial. GPU only (no interpret mode); bfloat16 activations. H200 measurements and the variants behind the
-defaults: benchmarks/int4_layouts.py, benchmarks/KERNEL_NOTES.md ("Prepared layouts").
+partial. Every step is the same straight-line code (no branch around the wgmma or the accumulator's zeroing), or
+ptxas serializes the wgmma instructions. GPU only (no interpret mode); bfloat16 activations. H200 measurements and
+the variants behind the defaults: benchmarks/int4_layouts.py, benchmarks/KERNEL_NOTES.md ("Prepared layouts",
+"Straight-line steps").
 """
 
 from __future__ import annotations
@@ -57,10 +59,9 @@ class Int4Codes:
 @dataclasses.dataclass(frozen=True)
 class Config:
     """tile_k: k per pipeline step (256: 128 code bytes per row, one 128B swizzle); stages: ring depth; wg_rows:
-    weight rows per consumer warpgroup (a tile = consumers x wg_rows rows); ctas: CTAs of the stream-K partition (None:
+    weight rows per consumer warpgroup (a tile = 2 x wg_rows rows); ctas: CTAs of the stream-K partition (None:
     the device's SM count, one CTA per SM); min_steps: fewest pipeline steps per CTA (small shapes get fewer CTAs);
-    chunks: k chunks per step, each converted and handed to its own wgmma before the next is converted; consumers:
-    consumer warpgroups per CTA."""
+    chunks: k chunks per step, each converted and handed to its own wgmma before the next is converted."""
 
     tile_k: int = 256
     stages: int = 4
@@ -68,11 +69,10 @@ class Config:
     ctas: int | None = None
     min_steps: int = 4
     chunks: int = 1
-    consumers: int = 2
 
     @property
     def tile_rows(self) -> int:
-        return self.consumers * self.wg_rows
+        return 2 * self.wg_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +237,7 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
                 plgpu.BlockSpec((ROW_TILE, tile_k), lambda j: (0, unit(j)[1]), transforms=x_tf),
             ],
             wg_axis="wg",
-            num_compute_wgs=cfg.consumers,
+            num_compute_wgs=2,
             max_concurrent_steps=cfg.stages,
             compute_context=compute_context,
         )(c_gmem, s_gmem, x_gmem)
@@ -247,9 +247,9 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
         out_type=jax.ShapeDtypeStruct((int(part.segments.max()), part.tiles * tile_rows, ROW_TILE), jnp.float32),
         grid=(ctas,),
         grid_names=("c",),
-        num_threads=cfg.consumers + 1,
+        num_threads=3,
         thread_name="wg",
-        scratch_types=dict(o_smem=plgpu.SMEM((cfg.consumers, wg_rows, ROW_TILE), jnp.float32)),
+        scratch_types=dict(o_smem=plgpu.SMEM((2, wg_rows, ROW_TILE), jnp.float32)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(xp, codes, scales)
     return jnp.swapaxes(out, 1, 2)

@@ -126,7 +126,6 @@ def test_stream_k_partition_covers_every_unit_once_in_numbered_segments(k, n, ct
         int4_ws.Config(ctas=7, min_steps=1),
         int4_ws.Config(ctas=4, min_steps=1),
         int4_ws.Config(ctas=7, min_steps=1, chunks=4),
-        int4_ws.Config(ctas=3, min_steps=1, chunks=2, consumers=4),
         int4_ws.Config(ctas=5, min_steps=1, chunks=2, wg_rows=128),
     ],
 )
