@@ -94,7 +94,7 @@ class Partition:
 
     @property
     def per_cta(self) -> int:
-        """Pipeline steps every CTA runs (the CTAs with one unit fewer repeat their last load and skip it)."""
+        """Pipeline steps every CTA runs (the CTAs with one unit fewer repeat their last unit and discard it)."""
         return -(-self.units // self.ctas)
 
     def cta_of(self, unit):
@@ -184,7 +184,7 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
         lo = c * units // ctas
         count = (c + 1) * units // ctas - lo
 
-        def unit(j):  # a CTA with one unit fewer repeats its last load and skips the product
+        def unit(j):  # a CTA with one unit fewer repeats its last unit (its product is discarded)
             u = lo + jnp.minimum(j, count - 1)
             return u // steps, u % steps
 
