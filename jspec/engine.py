@@ -22,12 +22,13 @@ import numpy as np
 from jspec.accept import TieGuard
 from jspec.config import ModelConfig
 from jspec.gate import HitDensityGate
-from jspec.generate import LoopSettings, decode_round, generate_on_device, prefill_round, verify_round
+from jspec.generate import LoopSettings, generate_on_device, prefill_round, run_rounds
 from jspec.stats import STOP_REASONS, SpecStats
 from pallas_kernels import get_backend, prepare_reference, prepare_ws
 from pallas_kernels.matmul import prepared_nbytes, reference_prep_fits, ws_prep_nbytes
 
 MIN_BUCKET = 16
+ROUNDS_PER_CALL = 16  # the host loop's rounds per device call (Engine.generate's rounds_per_call)
 
 
 @dataclasses.dataclass
@@ -114,13 +115,14 @@ class Engine:
         return self._compile(("prefill", settings, bucket, n_eos), run, self.params, *self._request_args(bucket), eos)
 
     def _round_exec(self, kind: str, settings: LoopSettings, loop_shape):
-        round_fn = {"decode": decode_round, "verify": verify_round}[kind]
+        """The executable running up to N rounds of one kind (decode or verify): one graph slot per kind."""
 
-        def run(params, loop):
-            return round_fn(params, self.cfg, settings, loop)
+        def run(params, loop, max_rounds):
+            return run_rounds(params, self.cfg, settings, loop, max_rounds, verify=kind == "verify")
 
+        rounds = jax.ShapeDtypeStruct((), jnp.int32)
         return self._compile(
-            (kind, settings, jax.tree.structure(loop_shape)), run, self.params, loop_shape, donate=(1,)
+            (kind, settings, jax.tree.structure(loop_shape)), run, self.params, loop_shape, rounds, donate=(1,)
         )
 
     def _device_exec(self, settings: LoopSettings, bucket: int, eos_ids: tuple[int, ...]):
@@ -162,6 +164,7 @@ class Engine:
         tie_guard: TieGuard | None = None,
         on_device: bool = False,
         progress: bool = False,
+        rounds_per_call: int = ROUNDS_PER_CALL,
     ) -> GenerationResult:
         """Generate greedily (drafter=None) or speculatively; the tokens are the same either way.
 
@@ -169,7 +172,12 @@ class Engine:
         eos_id: stop after this token (or any of these tokens).
         on_device: run prefill and the whole loop as one executable instead of the host loop.
         progress: show a progress bar (host loop).
+        rounds_per_call: the most rounds the host loop runs in one device call. A call runs rounds of one kind
+          (decode or verify) and returns early when the loop asks for the other kind or stops; every call costs
+          a launch and a sync (progress, stop check), so longer calls are faster. 1: one round per call.
         """
+        if rounds_per_call < 1:
+            raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
         prompt, max_new = self.check_request(prompt_ids, max_new_tokens)
         eos_ids = () if eos_id is None else (eos_id,) if isinstance(eos_id, int) else tuple(int(e) for e in eos_id)
         settings = self.settings(drafter, gate, tie_guard)
@@ -186,9 +194,11 @@ class Engine:
             tokens = out.tokens[: int(out.num_tokens)]
             self._fill_stats(stats, out.counters, int(out.stop_reason), len(tokens), settings)
             return GenerationResult([int(t) for t in tokens], stats)
-        return self._host_loop(settings, bucket, args, eos_ids, stats, progress)
+        return self._host_loop(settings, bucket, args, eos_ids, stats, progress, rounds_per_call)
 
-    def _host_loop(self, settings, bucket, args, eos_ids, stats: SpecStats, progress: bool) -> GenerationResult:
+    def _host_loop(
+        self, settings, bucket, args, eos_ids, stats: SpecStats, progress: bool, rounds_per_call: int
+    ) -> GenerationResult:
         eos = np.asarray(list(eos_ids) or [-1], np.int32)
         prefill_exec = self._prefill_exec(settings, bucket, eos.size)
         loop_shape = prefill_exec.out_info
@@ -199,10 +209,11 @@ class Engine:
         bar = _progress_bar(int(args[3])) if progress else None
         use_verify, stop, n_out = jax.device_get((loop.use_verify, loop.stop, loop.n_out))
         stats.prefill_time_s = time.perf_counter() - start
+        rounds = np.int32(rounds_per_call)
         while stop == 0:
             t0 = time.perf_counter()
-            loop = (verify_exec if use_verify else decode_exec)(self.params, loop)
             kind_verify = bool(use_verify)
+            loop = (verify_exec if kind_verify else decode_exec)(self.params, loop, rounds)
             use_verify, stop, n_out = jax.device_get((loop.use_verify, loop.stop, loop.n_out))
             elapsed = time.perf_counter() - t0
             if kind_verify:

@@ -1,6 +1,7 @@
 """The generation loop as pure functions: a prefill round, a decode round and a verify round over a `Loop`
-pytree. The Engine jits each round into its own executable and drives them from the host; `generate_on_device`
-runs the same rounds inside `lax.while_loop` and can be called inside a user's `jax.jit`.
+pytree. The Engine jits `run_rounds` of each kind into its own executable (decode rounds, verify rounds) and
+drives them from the host; `generate_on_device` runs the same rounds inside `lax.while_loop` and can be called
+inside a user's `jax.jit`.
 
 A round = step (decode_step or verify_step) -> greedy accept -> commit -> record tokens and stats -> drafter
 proposes the next draft -> the gate decides whether the next round verifies.
@@ -214,6 +215,23 @@ class DeviceGeneration:
     num_tokens: jax.Array
     stop_reason: jax.Array
     counters: Counters
+
+
+def run_rounds(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop, max_rounds, verify: bool) -> Loop:
+    """Up to max_rounds (int32 []) rounds of one kind on device: verify rounds if `verify`, else decode rounds.
+    Returns early when the generation stops or the loop asks for the other kind (`loop.use_verify`)."""
+    round_fn = verify_round if verify else decode_round
+
+    def more(carry):
+        lp, i = carry
+        return ~lp.done & (lp.use_verify == verify) & (i < max_rounds)
+
+    def body(carry):
+        lp, i = carry
+        return round_fn(params, cfg, settings, lp), i + 1
+
+    loop, _ = jax.lax.while_loop(more, body, (loop, jnp.zeros((), jnp.int32)))
+    return loop
 
 
 def generate_on_device(

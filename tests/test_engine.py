@@ -131,13 +131,13 @@ def test_no_compiles_after_warmup():
     for prompt_len in (5, 20):  # warm two buckets (16 and 32)
         eng.generate(list(range(1, prompt_len + 1)), 8, drafter=drafter, gate=gate)
     warm = eng.num_compiles
-    assert warm == 2 + 2  # two prefill buckets + decode round + verify round
+    assert warm == 2 + 2  # two prefill buckets + decode rounds + verify rounds
     compiles = []
     listener = lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None  # noqa: E731
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        for prompt, n in (([4, 5, 6, 4, 5, 6, 4], 30), ([9] * 12, 11), (list(range(30)), 17), ([1, 2], 3)):
-            eng.generate(prompt, n, drafter=drafter, gate=gate, eos_id=5)
+        for prompt, n, rounds in (([4, 5, 6, 4, 5, 6, 4], 30, 16), ([9] * 12, 11, 1), (list(range(30)), 17, 3)):
+            eng.generate(prompt, n, drafter=drafter, gate=gate, eos_id=5, rounds_per_call=rounds)
     finally:
         jax.monitoring.clear_event_listeners()
     assert eng.num_compiles == warm
@@ -158,6 +158,22 @@ def test_stop_reasons():
     r = eng.generate(prompt, None, drafter=jspec.PromptLookup())
     assert r.stats.stop_reason == "cache_end" and len(r.tokens) == MAX_LEN - len(prompt) + 1
     assert r.tokens[:20] == expected
+
+
+@pytest.mark.parametrize("rounds_per_call", [1, 2, 5, 64])
+def test_host_loop_gives_the_same_run_for_any_rounds_per_call(rounds_per_call):
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    expected = greedy("qwen2", "float32", tuple(prompt), 40)
+    eos = expected[29]
+    first = expected.index(eos)
+    eng = engine(k=3)
+    reference = eng.generate(prompt, 40, drafter=jspec.PromptLookup(), eos_id=eos, on_device=True)
+    r = eng.generate(prompt, 40, drafter=jspec.PromptLookup(), eos_id=eos, rounds_per_call=rounds_per_call)
+    assert r.tokens == expected[: first + 1] and r.stats.stop_reason == "eos"
+    same = ("steps", "decode_steps", "verify_steps", "drafted", "accepted", "per_position_reached", "new_tokens")
+    assert {f: getattr(r.stats, f) for f in same} == {f: getattr(reference.stats, f) for f in same}
+    assert r.stats.verify_steps > 0 and r.stats.decode_steps > 0
+    assert r.stats.decode_time_s > 0 and r.stats.verify_time_s > 0  # each device call runs rounds of one kind
 
 
 @pytest.mark.parametrize("k", [7, 15])
@@ -194,6 +210,8 @@ def test_bad_input_raises_before_compute():
             jspec.Engine(eng.params, eng.cfg, max_len=MAX_LEN, k=k)
     with pytest.raises(ValueError, match="differs"):
         eng.generate([1, 2], 4, drafter=jspec.PromptLookup(k=2))
+    with pytest.raises(ValueError, match="rounds_per_call must be >= 1, got 0"):
+        eng.generate([1, 2], 4, rounds_per_call=0)
     assert eng.num_compiles == before
     assert eng.generate([3, 1, 4], 5).tokens == greedy("qwen2", "float32", (3, 1, 4), 5)  # nothing was lost
 
