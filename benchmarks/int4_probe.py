@@ -1,6 +1,6 @@
 """One Mosaic GPU int4 kernel config at one shape, in its own process: compile time, row-exactness, error against
 the naive dequantize-then-dot, and the M = 1 time. The cheap way to compare kernel configs on the H200 (a compile
-is ~3 s; int4_layouts.py also builds its Triton variants). Results: benchmarks/results/int4_serialization_h200.json.
+is ~3 s; int4_layouts.py took minutes per shape). Results: benchmarks/results/int4_serialization_h200.json.
 
 Run on the GPU, one process per config (each appends one JSON line to --out):
     python3 benchmarks/int4_probe.py --config '{"wg_rows": 128, "chunks": 2}' --shape 3584,37888 --commit SHA \\
