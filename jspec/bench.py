@@ -56,7 +56,7 @@ import numpy as np
 
 from jspec.config import ModelConfig
 from jspec.drafters import PromptLookup
-from jspec.engine import Engine, prepare_params, prepares_by_default
+from jspec.engine import ROUNDS_PER_CALL, Engine, prepare_params, prepares_by_default
 from jspec.exactness import forced_decode_logits, mismatched_rows
 from jspec.gate import HitDensityGate
 from jspec.models import dense, quantize_linears
@@ -150,13 +150,14 @@ TARGETS = {  # DESIGN 5 / issue 7
 }
 
 
-E2E_CONFIGS = (  # (label, drafter?, gate?, on_device), in priority order
-    ("greedy/host", False, False, False),
-    ("lookup/host", True, False, False),
-    ("lookup+gate/host", True, True, False),
-    ("greedy/device", False, False, True),
-    ("lookup+gate/device", True, True, True),
-    ("lookup/device", True, False, True),
+E2E_CONFIGS = (  # (label, drafter?, gate?, on_device, host-loop rounds per device call), in priority order
+    ("greedy/host", False, False, False, ROUNDS_PER_CALL),
+    ("lookup/host", True, False, False, ROUNDS_PER_CALL),
+    ("lookup+gate/host", True, True, False, ROUNDS_PER_CALL),
+    ("greedy/device", False, False, True, ROUNDS_PER_CALL),
+    ("lookup+gate/device", True, True, True, ROUNDS_PER_CALL),
+    ("lookup/device", True, False, True, ROUNDS_PER_CALL),
+    ("greedy/host-per-round", False, False, False, 1),  # the host loop syncing after every round
 )
 
 
@@ -228,7 +229,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
             out=os.path.join(tempfile.gettempdir(), "jspec_bench_quick.json"),
             ks=(3,),
             other_ks=(3,),
-            e2e_configs=("greedy/host", "lookup+gate/host", "greedy/device", "lookup/device"),
+            e2e_configs=("greedy/host", "lookup+gate/host", "greedy/device", "lookup/device", "greedy/host-per-round"),
             context=40,
             prompt_len=16,
             new_tokens=16,
@@ -910,9 +911,12 @@ def _measured_decode_s(ctx: Context, name: str) -> float:
 
 
 def _run_kwargs(config: tuple) -> dict:
-    _, lookup, gate, on_device = config
+    _, lookup, gate, on_device, rounds_per_call = config
     return dict(
-        drafter=PromptLookup() if lookup else None, gate=HitDensityGate() if gate else None, on_device=on_device
+        drafter=PromptLookup() if lookup else None,
+        gate=HitDensityGate() if gate else None,
+        on_device=on_device,
+        rounds_per_call=rounds_per_call,
     )
 
 

@@ -60,7 +60,13 @@ def test_quick_end_to_end(quick):
     e2e = data["sections"]["e2e"]
     assert e2e["prepared"]  # the engines' default on the reference backend
     assert e2e["compiles_after_warmup"] == 0 and e2e["greedy_distinct_fraction"] == 1.0
-    assert e2e["num_compiles"] == {"greedy/host": 2, "lookup+gate/host": 3, "greedy/device": 1, "lookup/device": 1}
+    assert e2e["num_compiles"] == {
+        "greedy/host": 2,
+        "lookup+gate/host": 3,
+        "greedy/device": 1,
+        "lookup/device": 1,
+        "greedy/host-per-round": 2,
+    }
     variants = e2e["variants"]
     assert list(variants) == ["filler", "insert1", "insert3", "full"]
     for v in variants.values():
