@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
 from benchmarks.hybrid_bench import make_config, make_params  # noqa: E402
-from jspec.engine import prepare_params, prepares_by_default  # noqa: E402
+from jspec.engine import prepare_params, resolve_prepare  # noqa: E402
 from jspec.exactness import verify_rows_match_decode  # noqa: E402
 from jspec.models import dense, quantize_linears  # noqa: E402
 from pallas_kernels import get_backend, prepare_ws  # noqa: E402
@@ -96,7 +96,7 @@ def main() -> int:
         t0 = time.perf_counter()
         cfg, params = model(family, kind, args.small)
         dtype = jnp.dtype(params["embed"].dtype).name
-        prepared = prepares_by_default(get_backend(), dtype)  # check the weights an Engine runs on
+        prepared = resolve_prepare(None, params, dtype, get_backend())  # the weights an Engine runs on
         weights = prepare_params(params, dtype, get_backend()) if prepared else params
         mismatch = verify_rows_match_decode(weights, cfg, prompt, tuple(ks), max_len=512)
         step_ok = all(not rows for rows in mismatch.values())

@@ -1,6 +1,7 @@
-"""One Mosaic GPU int4 kernel config at one shape, in its own process: compile time, row-exactness, error against
-the naive dequantize-then-dot, and the M = 1 time. The cheap way to compare kernel configs on the H200 (a compile
-is ~3 s; int4_layouts.py took minutes per shape). Results: benchmarks/results/int4_serialization_h200.json.
+"""One Mosaic GPU int4 kernel config at one shape, in its own process: `int4_layouts.measure` (row-exactness, error
+against the naive dequantize-then-dot, the M = 1 time) and the wall time with the compile. The cheap way to compare
+kernel configs on the H200 (a compile is ~3 s; int4_layouts.py took minutes per shape). Results:
+benchmarks/results/int4_serialization_h200.json.
 
 Run on the GPU, one process per config (each appends one JSON line to --out):
     python3 benchmarks/int4_probe.py --config '{"wg_rows": 128, "chunks": 2}' --shape 3584,37888 --commit SHA \\
@@ -12,6 +13,7 @@ With MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=DIR the kernel's ptxas report (a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -24,47 +26,35 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import int4_matmul_bench as ib  # noqa: E402
+from benchmarks.int4_layouts import measure  # noqa: E402
 from pallas_kernels import int4_ws  # noqa: E402
 
+ROOFLINE_BPS = 4.2e12  # the H200's HBM read roofline as measured by the other benchmarks (m1_frac_roofline's unit)
 
-def probe(config: dict, k: int, n: int, repeats: int) -> dict:
-    """Measure `int4_ws.rows_matmul` with Config(**config) on random int4 weights [K, N]."""
-    cfg = int4_ws.Config(**config)
+
+def probe(config: dict, k: int, n: int) -> dict:
+    """`int4_layouts.measure` of `int4_ws.rows_matmul` with Config(**config) on random int4 weights [K, N] at M = 1;
+    wall_s includes the compile."""
     key = jax.random.key(0)
     native = ib.random_weights(key, k, n, ib.n_copies(ib.int4_bytes(k, n)))
-    codes = [int4_ws.prepare_codes(w) for w in native]
     x16 = jax.random.normal(key, (16, k), jnp.float32).astype(jnp.bfloat16)
-
-    def op(x, w):
-        return int4_ws.rows_matmul(x, w, config=cfg)
-
-    start = time.perf_counter()
-    y = np.asarray(jax.jit(op)(x16, codes[0]))
-    compile_s = time.perf_counter() - start
     ref = np.asarray(ib.naive_op(x16, native[0]))
-    seconds = ib.time_calls(op, x16[:1], codes, repeats)
-    return {
-        "config": config,
-        "K": k,
-        "N": n,
-        "compile_s": round(compile_s, 1),
-        **ib.exactness(op, x16, codes[0], (1, 3, 8)),
-        "max_abs_rel_vs_naive": float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))),
-        "m1_us": round(seconds * 1e6, 2),
-        "m1_frac_of_4_2_TBps": round(ib.int4_bytes(k, n) / seconds / 4.2e12, 3),
-    }
+    op = functools.partial(int4_ws.rows_matmul, config=int4_ws.Config(**config))
+    codes = [int4_ws.prepare_codes(w) for w in native]
+    start = time.perf_counter()
+    result = measure(op, codes, x16, ref, ib.int4_bytes(k, n), ROOFLINE_BPS, (1,))
+    return {"config": config, "K": k, "N": n, "wall_s": round(time.perf_counter() - start, 1), **result}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="{}", help="int4_ws.Config keyword arguments as JSON")
     ap.add_argument("--shape", default="3584,37888", help="K,N (default: Qwen2.5-7B gate_up)")
-    ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--commit", required=True)
     ap.add_argument("--out", required=True, help="JSON-lines file to append to")
     args = ap.parse_args()
     k, n = (int(v) for v in args.shape.split(","))
-    result = probe(json.loads(args.config), k, n, args.repeats)
+    result = probe(json.loads(args.config), k, n)
     result.update(commit=args.commit, jax=jax.__version__, device=jax.devices()[0].device_kind)
     print(json.dumps(result), flush=True)
     with open(args.out, "a") as f:

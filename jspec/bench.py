@@ -56,7 +56,7 @@ import numpy as np
 
 from jspec.config import ModelConfig
 from jspec.drafters import PromptLookup
-from jspec.engine import ROUNDS_PER_CALL, Engine, prepare_params, prepares_by_default
+from jspec.engine import ROUNDS_PER_CALL, Engine, prepare_params, resolve_prepare
 from jspec.exactness import forced_decode_logits, mismatched_rows
 from jspec.gate import HitDensityGate
 from jspec.models import dense, quantize_linears
@@ -192,6 +192,11 @@ class Options:
     compile_threads: int = 4
     prepare: str = "auto"  # int4 preparation of the timed weights: auto (Engine's default), on, off
     seed: int = 0
+
+    @property
+    def prepare_arg(self) -> bool | None:
+        """`prepare` as Engine's argument (None: its default)."""
+        return None if self.prepare == "auto" else self.prepare == "on"
 
 
 def parse_args(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
@@ -601,7 +606,7 @@ def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: t
     prepared int4 weights (--prepare) also the decode step on the weights as loaded, for the ratio."""
     opts = ctx.opts
     dtype = jnp.dtype(params["embed"].dtype).name
-    prepared = prepares_by_default(get_backend(), dtype) if opts.prepare == "auto" else opts.prepare == "on"
+    prepared = resolve_prepare(opts.prepare_arg, params, dtype, get_backend())
     entry["prepared"] = prepared
     raw, params = params, prepare_params(params, dtype, get_backend()) if prepared else params
     max_len = opts.context + 2 * ROW_TILE
@@ -855,8 +860,7 @@ def section_e2e(ctx: Context, sec: dict) -> None:
     sec.update(o_factor=opts.o_factor, k=k, new_tokens=n, random_prompt_len=plen, prompt_len=length, max_len=max_len)
     rng = np.random.default_rng(opts.seed + 3)
     p, filler = random_filler(rng, cfg.vocab_size, plen, n, length)
-    prepare = None if opts.prepare == "auto" else opts.prepare == "on"
-    engines = {c[0]: Engine(params, cfg, max_len=max_len, k=k, prepare=prepare) for c in configs}
+    engines = {c[0]: Engine(params, cfg, max_len=max_len, k=k, prepare=opts.prepare_arg) for c in configs}
     sec["prepared"] = next(iter(engines.values())).prepared
     kwargs = {c[0]: _run_kwargs(c) for c in configs}
 

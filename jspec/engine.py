@@ -60,15 +60,7 @@ class Engine:
         self.k = int(k)
         self.dtype = jnp.dtype(dtype or params["embed"].dtype).name
         backend = get_backend()
-        if prepare is None:
-            prepare = prepares_by_default(backend, self.dtype)
-            short = prepare and prep_shortfall(params, self.dtype, backend)
-            if short:
-                warnings.warn(
-                    f"{short}; pass prepare=True to use it anyway or prepare=False to silence this", stacklevel=2
-                )
-                prepare = False
-        self.prepared = bool(prepare)
+        self.prepared = resolve_prepare(prepare, params, self.dtype, backend)
         self.params = prepare_params(params, self.dtype, backend) if self.prepared else params
         LoopSettings(max_len=self.max_len, k=self.k)  # validates k
         self._executables: dict[tuple, jax.stages.Compiled] = {}
@@ -256,6 +248,19 @@ def prepares_by_default(backend: str, dtype: str) -> bool:
     """Whether Engine(prepare=None) prepares the int4 weights: on the reference backend, and on the GPU ("pallas")
     with bfloat16 activations, where the Mosaic GPU kernel (`prepare_ws`) is the faster one."""
     return backend == "reference" or (backend == "pallas" and dtype == "bfloat16")
+
+
+def resolve_prepare(prepare: bool | None, params, dtype: str, backend: str) -> bool:
+    """Engine's `prepare` argument -> whether to prepare. None: `prepares_by_default`, declined with a warning when
+    the prepared copy would not fit (`prep_shortfall`)."""
+    if prepare is not None:
+        return bool(prepare)
+    if not prepares_by_default(backend, dtype):
+        return False
+    short = prep_shortfall(params, dtype, backend)
+    if short:
+        warnings.warn(f"{short}; pass prepare=True to use it anyway or prepare=False to silence this", stacklevel=3)
+    return not short
 
 
 def prep_shortfall(params, dtype: str, backend: str) -> str | None:

@@ -142,10 +142,10 @@ WS_MIN_WEIGHTS = 3 << 24  # K * N from which prepare_ws hands a weight to the Mo
 
 def prepare_ws(params, min_weights: int = WS_MIN_WEIGHTS):
     """params with every symmetric Int4Weight of at least `min_weights` weights that fits the Mosaic GPU kernel's
-    tiles replaced by its Int4Codes (same memory). On the H200 its stream-K partition beat the Triton row-tile
-    kernel 1.1-1.4x on those shapes (gate_up, down, lm_head of 7B/14B) and was no faster on the smaller ones
-    (qkv, o: 13-26 M weights) (benchmarks/results/int4_streamk_h200.json)."""
-
+    tiles replaced by its Int4Codes (same memory). On the H200 that kernel ran 1.28-1.58x the Triton row-tile
+    kernel on those shapes (gate_up, down, lm_head of 7B/14B; benchmarks/results/int4_matmul_h200.json); on the
+    smaller ones (qkv, o: 13-26 M weights) no same-run comparison has shown it faster
+    (benchmarks/results/int4_streamk_h200.json)."""
     return _map_int4(lambda w: prepare_codes(w) if _takes_ws(w, min_weights) else w, params)
 
 
