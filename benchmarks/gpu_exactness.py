@@ -23,7 +23,7 @@ from benchmarks.hybrid_bench import make_config, make_params  # noqa: E402
 from jspec.engine import prepare_params, resolve_prepare  # noqa: E402
 from jspec.exactness import verify_rows_match_decode  # noqa: E402
 from jspec.models import dense, quantize_linears  # noqa: E402
-from pallas_kernels import get_backend, prepare_ws  # noqa: E402
+from pallas_kernels import get_backend  # noqa: E402
 
 
 def hybrid_model(weights: str, small: bool, vocab: int | None = None):
@@ -100,13 +100,6 @@ def main() -> int:
         weights = prepare_params(params, dtype, get_backend()) if prepared else params
         mismatch = verify_rows_match_decode(weights, cfg, prompt, tuple(ks), max_len=512)
         step_ok = all(not rows for rows in mismatch.values())
-        if prepared and get_backend() == "pallas" and kind == "int4":
-            # These models' weights are below prepare_ws's size threshold: check the Mosaic GPU kernel on every
-            # int4 weight whose shape fits it too.
-            every = prepare_ws(params, min_weights=0)
-            mismatch_ws = verify_rows_match_decode(every, cfg, prompt, tuple(ks), max_len=512)
-            mismatch.update({f"{k}_mosaic_all": rows for k, rows in mismatch_ws.items()})
-            step_ok &= all(not rows for rows in mismatch_ws.values())
         e2e = {}
         if not report["runs"] or (family == "qwen3_next" and kind == "int4"):
             modes = {

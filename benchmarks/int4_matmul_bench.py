@@ -38,7 +38,6 @@ import numpy as np  # noqa: E402
 from jspec.bench import torch_median  # noqa: E402
 from pallas_kernels import int4_matmul, int4_ws  # noqa: E402
 from pallas_kernels.int4 import BLOCK, Int4Weight, dequantize  # noqa: E402
-from pallas_kernels.matmul import WS_MIN_WEIGHTS  # noqa: E402
 
 SHAPES = {  # name: (K, N) of x[M, K] @ W[K, N]
     "qwen2.5-7b": {
@@ -287,7 +286,7 @@ def main():
     key = jax.random.key(0)
     for model, lin, (k, n) in shapes:
         variants = {"pallas_auto": (kernel_op(None), tuple(range(1, 17)), lambda w: w)}
-        if not args.no_mosaic and int4_ws.fits(k, n) and k * n >= WS_MIN_WEIGHTS:  # what prepare_ws hands to it
+        if not args.no_mosaic and int4_ws.fits(k, n):  # what prepare_ws hands to it
             variants["mosaic_ws"] = (int4_ws.rows_matmul, (1, 2, 5, 8, 12), int4_ws.prepare_codes)
         configs = sweep_configs(k, n) if args.sweep else []
         sweep = {config_name(c): kernel_op(c) for c in configs}

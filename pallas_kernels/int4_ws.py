@@ -213,10 +213,10 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             @pl.when((j < count) & ((ks == steps - 1) | (j == count - 1)))  # a segment ends: store its partial
             def _():
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read o_smem
-                o_smem[wg] = acc_ref[...]
+                _store_transposed(acc_ref[...], o_smem.at[wg])
                 plgpu.commit_smem()
                 seg = c - part.cta_of(t * steps)
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[seg, pl.ds(t * tile_rows + wg * wg_rows, wg_rows)])
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[seg, :, pl.ds(t * tile_rows + wg * wg_rows, wg_rows)])
 
             return acc_ref
 
@@ -242,17 +242,16 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             compute_context=compute_context,
         )(c_gmem, s_gmem, x_gmem)
 
-    out = plgpu.kernel(
+    return plgpu.kernel(
         int4_ws_streamk,
-        out_type=jax.ShapeDtypeStruct((int(part.segments.max()), part.tiles * tile_rows, ROW_TILE), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((int(part.segments.max()), ROW_TILE, part.tiles * tile_rows), jnp.float32),
         grid=(ctas,),
         grid_names=("c",),
         num_threads=3,
         thread_name="wg",
-        scratch_types=dict(o_smem=plgpu.SMEM((2, wg_rows, ROW_TILE), jnp.float32)),
+        scratch_types=dict(o_smem=plgpu.SMEM((2, ROW_TILE, wg_rows), jnp.float32)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(xp, codes, scales)
-    return jnp.swapaxes(out, 1, 2)
 
 
 def _as_wgmma(w):
@@ -276,3 +275,16 @@ def _as_wgmma(w):
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     return relabel(w)
+
+
+def _store_transposed(acc, ref):
+    """Store the float32 accumulator [wg_rows, 16] (WGMMA layout) into the shared memory ref [16, wg_rows]: one
+    scalar store per element (the kernel's output is token-major, so no transpose op runs after it)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.lib.mlir.dialects import memref
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+    def store(_, value, smem):
+        value.foreach(lambda v, idx: memref.store(v, smem, [idx[1], idx[0]]))
+
+    store(acc, ref)

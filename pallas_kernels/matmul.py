@@ -14,9 +14,9 @@ reference product then runs on the stored halves with the same dots, giving the 
 every call.
 
 On the GPU, `prepare_ws` (what `Engine` does by default with bfloat16 activations) does the same kind of one-time
-preparation for the large int4 weights: it replaces them by `Int4Codes` (same bytes, re-biased) served by the
-warp-specialized Mosaic GPU kernel of `pallas_kernels.int4_ws`, faster than the Triton row-tile kernel on those
-shapes (KERNEL_NOTES.md).
+preparation for the int4 weights: it replaces every symmetric one whose shape fits by its `Int4Codes` (same bytes,
+re-biased) served by the warp-specialized Mosaic GPU kernel of `pallas_kernels.int4_ws`, faster than the Triton
+row-tile kernel on every measured shape (KERNEL_NOTES.md).
 The jnp reference product takes `Int4Codes` too, with the bits of the `Int4Weight` they came from.
 """
 
@@ -137,27 +137,23 @@ def prepare_reference(params, dtype):
     return _map_int4(lambda w: Int4Halves(*dequantize_halves(w, dtype)), params)
 
 
-WS_MIN_WEIGHTS = 3 << 24  # K * N from which prepare_ws hands a weight to the Mosaic GPU kernel (24 MiB of codes)
+def prepare_ws(params):
+    """params with every symmetric Int4Weight whose shape fits the Mosaic GPU kernel's tiles replaced by its
+    Int4Codes (same memory). On the H200 that kernel beat the Triton row-tile kernel on every Qwen2.5-7B / 14B
+    linear shape: 1.28-1.58x on gate_up, down, lm_head (benchmarks/results/int4_matmul_h200.json) and 1.15-1.49x
+    on qkv and o (same-process runs, benchmarks/results/int4_qkv_o_h200.json)."""
+    return _map_int4(lambda w: prepare_codes(w) if _takes_ws(w) else w, params)
 
 
-def prepare_ws(params, min_weights: int = WS_MIN_WEIGHTS):
-    """params with every symmetric Int4Weight of at least `min_weights` weights that fits the Mosaic GPU kernel's
-    tiles replaced by its Int4Codes (same memory). On the H200 that kernel ran 1.28-1.58x the Triton row-tile
-    kernel on those shapes (gate_up, down, lm_head of 7B/14B; benchmarks/results/int4_matmul_h200.json); on the
-    smaller ones (qkv, o: 13-26 M weights) no same-run comparison has shown it faster
-    (benchmarks/results/int4_streamk_h200.json)."""
-    return _map_int4(lambda w: prepare_codes(w) if _takes_ws(w, min_weights) else w, params)
-
-
-def _takes_ws(w: Int4Weight, min_weights: int) -> bool:
+def _takes_ws(w: Int4Weight) -> bool:
     k, n = w.shape
-    return w.zeros is None and k * n >= min_weights and fits(k, n)
+    return w.zeros is None and fits(k, n)
 
 
-def ws_prep_nbytes(params, min_weights: int = WS_MIN_WEIGHTS) -> int:
-    """Device bytes `prepare_ws(params, min_weights)` needs: a copy of the codes it converts (the caller keeps the
-    originals) plus the largest conversion's temporaries (~3 bytes a weight: unpacked, re-biased, re-packed)."""
-    taken = [w for w in jax.tree.leaves(params, is_leaf=_is_int4) if _is_int4(w) and _takes_ws(w, min_weights)]
+def ws_prep_nbytes(params) -> int:
+    """Device bytes `prepare_ws(params)` needs: a copy of the codes it converts (the caller keeps the originals)
+    plus the largest conversion's temporaries (~3 bytes a weight: unpacked, re-biased, re-packed)."""
+    taken = [w for w in jax.tree.leaves(params, is_leaf=_is_int4) if _is_int4(w) and _takes_ws(w)]
     return sum(w.nbytes for w in taken) + max((3 * w.shape[0] * w.shape[1] for w in taken), default=0)
 
 

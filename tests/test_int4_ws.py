@@ -63,17 +63,17 @@ def test_row_tile_path_reference_serves_codes_interpret_refuses():
         linear(x, prepare_codes(w))
 
 
-def test_prepare_ws_takes_the_large_symmetric_weights_only():
+def test_prepare_ws_takes_the_symmetric_weights_that_fit_the_kernel():
     params = {
         "gate_up": _weight(256, 1024, seed=4),
-        "down": _weight(256, 512, seed=5),  # too small
+        "down": _weight(256, 512, seed=5),
         "asym": _weight(256, 1024, seed=6, symmetric=False),
         "odd_k": _weight(288, 1024, seed=7),  # K not a multiple of the 256-k tile
         "norm": jnp.ones((8,)),
     }
-    out = prepare_ws(params, min_weights=256 * 1024)
-    assert isinstance(out["gate_up"], Int4Codes)
-    assert all(isinstance(out[k], Int4Weight) for k in ("down", "asym", "odd_k"))
+    out = prepare_ws(params)
+    assert isinstance(out["gate_up"], Int4Codes) and isinstance(out["down"], Int4Codes)
+    assert all(isinstance(out[k], Int4Weight) for k in ("asym", "odd_k"))
     assert out["norm"] is params["norm"]
 
 
@@ -81,8 +81,7 @@ def test_gpu_preparation_needing_more_than_the_free_device_memory_is_declined(mo
     from jspec import engine as engine_module
 
     params = {"gate_up": _weight(256, 1024, seed=4), "down": _weight(256, 512, seed=5)}
-    assert ws_prep_nbytes(params, min_weights=256 * 1024) == params["gate_up"].nbytes + 3 * 256 * 1024
-    assert ws_prep_nbytes(params) == 0  # both below the default threshold
+    assert ws_prep_nbytes(params) == params["gate_up"].nbytes + params["down"].nbytes + 3 * 256 * 1024
     monkeypatch.setattr(engine_module, "ws_prep_nbytes", lambda p: 3 << 30)
     monkeypatch.setattr(engine_module, "device_free_bytes", lambda: 1 << 30)
     why = engine_module.prep_shortfall(params, "bfloat16", "pallas")
