@@ -44,7 +44,16 @@ from jspec.bench import torch_median  # noqa: E402
 from pallas_kernels import ROW_TILE, attention_kernel  # noqa: E402
 from pallas_kernels.attention import reference_attention  # noqa: E402
 
-DEFAULT_NAMES = ("split", "combine_rows", "combine_chunk", "combine_warps", "combine_stages", "num_warps")
+DEFAULT_NAMES = (
+    "split",
+    "near_split",
+    "near_until",
+    "combine_rows",
+    "combine_chunk",
+    "combine_warps",
+    "combine_stages",
+    "num_warps",
+)
 L2_BYTES = 60e6
 SLACK = 256  # cache rows past the context (multiple of 256, >= ROW_TILE)
 WINDOW = 8  # exactness positions c - WINDOW .. c + WINDOW - 1
@@ -53,7 +62,7 @@ COMBINES = [(2, 32, 4, 2), (2, 16, 4, 3), (4, 16, 4, 2), (8, 8, 8, 2)]
 PRESETS = {
     "default": [{}],
     "sweep": [
-        dict(split=split, combine_rows=r, combine_chunk=c, combine_warps=w, combine_stages=st)
+        dict(split=split, far_split=None, combine_rows=r, combine_chunk=c, combine_warps=w, combine_stages=st)
         for split in (512, 1024, 256)
         for r, c, w, st in COMBINES
     ],
@@ -63,8 +72,16 @@ PRESETS = {
 SMOKE_PRESETS = {
     "default": [{}],
     "sweep": [
-        dict(split=128, combine_rows=2, combine_chunk=2, combine_warps=4, combine_stages=2),
-        dict(split=256, combine_rows=4, combine_chunk=4, combine_warps=4, combine_stages=2, fold_heads=False),
+        dict(split=128, far_split=None, combine_rows=2, combine_chunk=2, combine_warps=4, combine_stages=2),
+        dict(
+            split=256,
+            far_split=None,
+            combine_rows=4,
+            combine_chunk=4,
+            combine_warps=4,
+            combine_stages=2,
+            fold_heads=False,
+        ),
     ],
     "far": [{}, dict(split=64, far_split=128, far_from=128)],
 }

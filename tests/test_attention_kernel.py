@@ -19,7 +19,7 @@ from pallas_kernels import ROW_TILE, attention_kernel, use_backend
 from pallas_kernels import attention as dispatch_attention
 from pallas_kernels.attention import reference_attention
 
-S, HQ, HKV, D = 1024, 8, 2, 64  # default partition: blocks of 64, splits of 512 -> 2 splits
+S, HQ, HKV, D = 1024, 8, 2, 64  # default partition: blocks of 64, splits of 128 (512 from position 1024 on)
 SCALE = D**-0.5
 
 
@@ -77,9 +77,11 @@ def test_matches_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_rows_exact_across_m_at_split_boundary(dtype):
-    # positions 505..519 cross the split boundary 511|512 (also a block boundary) with every M in 1..16.
-    _check_rows_exact(dtype, list(range(505, 520)), range(1, ROW_TILE + 1))
+@pytest.mark.parametrize("boundary", [512, attention_kernel.NEAR_UNTIL])
+def test_rows_exact_across_m_at_split_boundary(dtype, boundary):
+    # positions boundary-7..boundary+7 cross a split boundary of the default partition (also a block boundary) with
+    # every M in 1..16: 511|512 between two near splits, NEAR_UNTIL - 1|NEAR_UNTIL from the near splits to the far.
+    _check_rows_exact(dtype, list(range(boundary - 7, boundary + 8)), range(1, ROW_TILE + 1), s_len=boundary + 256)
 
 
 @pytest.mark.parametrize("fold_heads", [True, False])
