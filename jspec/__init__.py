@@ -6,7 +6,7 @@ Speculative output is token-for-token identical to plain greedy decoding, for ev
 from jspec.accept import TieGuard, greedy_accept
 from jspec.config import ModelConfig, RopeConfig, UnsupportedModelError
 from jspec.drafters import Drafter, MTPDrafter, PromptLookup
-from jspec.engine import Engine, GenerationResult, generate
+from jspec.engine import Engine, GenerationResult, compiler_options, generate
 from jspec.forward import forward
 from jspec.gate import HitDensityGate
 from jspec.generate import DeviceGeneration, LoopSettings, generate_on_device
@@ -30,6 +30,7 @@ __all__ = [
     "TieGuard",
     "UnsupportedModelError",
     "commit",
+    "compiler_options",
     "decode_step",
     "forward",
     "generate",

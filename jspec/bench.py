@@ -56,7 +56,7 @@ import numpy as np
 
 from jspec.config import ModelConfig
 from jspec.drafters import PromptLookup
-from jspec.engine import ROUNDS_PER_CALL, Engine, prepare_params, resolve_prepare
+from jspec.engine import ROUNDS_PER_CALL, Engine, compiler_options, prepare_params, resolve_prepare
 from jspec.exactness import forced_decode_logits, mismatched_rows
 from jspec.gate import HitDensityGate
 from jspec.models import dense, quantize_linears
@@ -624,7 +624,11 @@ def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: t
         lowered["decode_unprepared"] = jax.jit(functools.partial(_decode, cfg=cfg), donate_argnums=1).lower(raw, base)
     entry["lower_s"] = time.perf_counter() - t0
     before = ctx.compiles.count
-    built = run_parallel({key: low.compile for key, low in lowered.items()}, opts.compile_threads)
+    options = compiler_options()  # what an Engine compiles with
+    built = run_parallel(
+        {key: functools.partial(low.compile, compiler_options=options) for key, low in lowered.items()},
+        opts.compile_threads,
+    )
     entry["executables"] = list(lowered)
     entry["num_compiles"] = ctx.compiles.count - before  # backend compiles (an identical program may be cached)
     entry["compile_s"] = {key: seconds for key, (_, seconds) in built.items()}

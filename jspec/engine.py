@@ -29,6 +29,20 @@ from pallas_kernels.matmul import prepared_nbytes, reference_prep_fits, ws_prep_
 
 MIN_BUCKET = 16
 ROUNDS_PER_CALL = 16  # the host loop's rounds per device call (Engine.generate's rounds_per_call)
+# XLA options for the executables on a GPU: launch every run of ops, however short, and the on-device loop's
+# while / conditional, as CUDA graphs (command buffers). They change how kernels are launched, never what they
+# compute. A step is ~550 small kernels, so launches matter: on the H200 (Llama-3-8B shape) greedy ran 350 vs 322
+# tok/s on device and 326 vs 304 in the host loop (benchmarks/results/launch_options_h200.json).
+GPU_COMPILER_OPTIONS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+    "xla_gpu_graph_min_graph_size": 1,
+}
+
+
+def compiler_options(platform: str | None = None) -> dict | None:
+    """The XLA options jspec compiles with on `platform` (default: the default backend's): GPU_COMPILER_OPTIONS on
+    a GPU, none elsewhere. For a caller's own jit of `generate_on_device`: jax.jit(f, compiler_options=...)."""
+    return dict(GPU_COMPILER_OPTIONS) if (platform or jax.default_backend()) == "gpu" else None
 
 
 @dataclasses.dataclass
@@ -86,7 +100,8 @@ class Engine:
 
     def _compile(self, key: tuple, fn, *args, donate: tuple[int, ...] = ()):
         if key not in self._executables:
-            self._executables[key] = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+            lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
+            self._executables[key] = lowered.compile(compiler_options=compiler_options())
             self.num_compiles += 1
         return self._executables[key]
 
