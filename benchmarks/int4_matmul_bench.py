@@ -9,7 +9,7 @@ For each linear shape of Qwen2.5-7B and Qwen2.5-14B (qkv, o, gate_up, down, lm_h
   - torch's int4 kernel `torch.ops.aten._weight_int4pack_mm` (group 32), the peer,
 and reports effective bandwidth = (packed + scale bytes) / time against the roofline measured in the same run: the
 best of torch `x.sum()` and XLA `jnp.sum` over a 2 GB bf16 tensor. Row-exactness (row r bit-identical for every
-M in 1..16) is checked on the GPU for every shape. On the shapes `prepare_ws` hands to it (gate_up, down, lm_head)
+M in 1..16) is checked on the GPU for every shape. On the shapes `prepare_ws` hands to it (every shape here)
 the warp-specialized Mosaic GPU kernel (`pallas_kernels.int4_ws`, on its prepared Int4Codes) is timed and checked
 too. Timing: each measured executable runs the op on R distinct weight copies back to back (R * bytes >= 128 MB,
 twice the 60 MB L2, R <= 8); executables are dispatched 10 at a time and blocked on once, so host overhead stays

@@ -57,7 +57,7 @@ class Engine:
     k: the draft length verified per verify step (1 <= k <= ROW_TILE - 1).
     prepare: prepare the int4 weights once for the kernel backend. "reference" (CPU): dequantize them
       (`pallas_kernels.prepare_reference`: same bits, more memory) instead of in every step; "pallas" (GPU) with
-      bfloat16 activations: hand the large symmetric ones to the warp-specialized Mosaic GPU kernel
+      bfloat16 activations: hand every symmetric one whose shape fits to the warp-specialized Mosaic GPU kernel
       (`pallas_kernels.prepare_ws`: a re-ordered copy of the same size, faster than the Triton kernel). None:
       `prepares_by_default` (both of those), unless the copy would not fit (`prep_shortfall`: over a quarter of
       physical memory for the reference halves, more than the device's free memory for the codes): then a warning
@@ -293,7 +293,7 @@ def prep_shortfall(params, dtype: str, backend: str) -> str | None:
     if need <= free:
         return None
     return (
-        f"the large int4 weights stay on the Triton kernel (slower): preparing them for the Mosaic GPU kernel "
+        f"the int4 weights stay on the Triton kernel (slower): preparing them for the Mosaic GPU kernel "
         f"needs {need / 2**30:.1f} GiB of device memory, {free / 2**30:.1f} GiB is free"
     )
 
