@@ -586,9 +586,58 @@ def _verify(params, state, draft, *, cfg):
     return verify_step(params, cfg, state, draft)
 
 
+# Kernel-name substrings of the GPU time groups a step's kernels are summed into (first match wins; else "XLA ops").
+KERNEL_GROUPS = (
+    ("int4 Mosaic GPU", ("int4_ws",)),
+    ("int4 Triton", ("int4_rows", "dense_rows")),
+    ("attention", ("jspec_attention",)),
+    ("recurrent", ("jspec_gdn",)),
+)
+
+
+def kernel_times(profile, calls: int) -> dict:
+    """GPU kernel time per call from a `jax.profiler.ProfileData` of `calls` calls: every kernel event on the GPU
+    planes' stream lines, summed by name and by `KERNEL_GROUPS` group, in microseconds per call."""
+    by_name: dict[str, float] = {}
+    launches = 0
+    for plane in profile.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for event in line.events:
+                by_name[event.name] = by_name.get(event.name, 0.0) + event.duration_ns / 1e3 / calls
+                launches += 1
+    groups: dict[str, float] = {}
+    for name, us in by_name.items():
+        group = next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "XLA ops")
+        groups[group] = groups.get(group, 0.0) + us
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "kernel_us": round(sum(by_name.values()), 1),
+        "launches": launches // calls,
+        "groups_us": {g: round(us, 1) for g, us in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "top_kernels_us": {name[:80]: round(us, 1) for name, us in top},
+    }
+
+
+def profile(run: Callable[[], None]):
+    """A `jax.profiler.ProfileData` of what run() does (an XLA profiler trace in a temporary directory)."""
+    with tempfile.TemporaryDirectory() as log_dir:
+        jax.profiler.start_trace(log_dir)
+        try:
+            run()
+        finally:
+            jax.profiler.stop_trace()
+        (path,) = Path(log_dir).rglob("*.xplane.pb")
+        return jax.profiler.ProfileData.from_file(str(path))
+
+
 def _time_chain(fn, params, state, extra: tuple, reps: int, trials: int):
     """Seconds per call of state, out = fn(params, state, *extra) chained (state donated): median over trials of
-    `reps` back-to-back calls, after one warm-up call. Returns (median, all trial times)."""
+    `reps` back-to-back calls, after one warm-up call. Returns (median, all trial times, the GPU kernel times of
+    3 more calls under the XLA profiler (`kernel_times`; None off the GPU))."""
     state, out = fn(params, state, *extra)
     jax.block_until_ready(out)
     times = []
@@ -598,7 +647,17 @@ def _time_chain(fn, params, state, extra: tuple, reps: int, trials: int):
             state, out = fn(params, state, *extra)
         jax.block_until_ready((state, out))
         times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times), times
+    kernels = None
+    if jax.default_backend() == "gpu":
+
+        def three_calls():
+            nonlocal state, out
+            for _ in range(3):
+                state, out = fn(params, state, *extra)
+            jax.block_until_ready((state, out))
+
+        kernels = kernel_times(profile(three_calls), 3)
+    return statistics.median(times), times, kernels
 
 
 def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: tuple[int, ...], entry: dict) -> None:
@@ -645,10 +704,12 @@ def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: t
     def timed(exec_, extra: tuple, weights=params) -> dict:
         state = copy_tree(base)
         count = ctx.compiles.count
-        seconds, times = _time_chain(exec_, weights, state, extra, opts.reps, opts.trials)
+        seconds, times, kernels = _time_chain(exec_, weights, state, extra, opts.reps, opts.trials)
         entry["compiles_during_timing"] += ctx.compiles.count - count
         read = nbytes if weights is params else step_bytes(weights, cfg, base, ROW_TILE)
         out = {"time_s": seconds, "trial_times_s": times, "bytes": read, "achieved_Bps": read["total"] / seconds}
+        if kernels:
+            out["gpu_kernels"] = kernels
         if roof:
             out["roofline_fraction"] = read["total"] / seconds / roof
             out["roofline_time_s"] = read["total"] / roof
@@ -656,7 +717,7 @@ def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: t
 
     entry["decode"] = timed(execs["decode"], ())
     decode_s = entry["decode"]["time_s"]
-    print(f"  {name} decode {decode_s * 1e3:.3f} ms {_pct(entry['decode'])}", flush=True)
+    print(f"  {name} decode {decode_s * 1e3:.3f} ms {_pct(entry['decode'])}{_kernels(entry['decode'])}", flush=True)
     if prepared:
         raw_entry = entry["decode_unprepared"] = timed(execs["decode_unprepared"], (), raw)
         raw_entry["prepared_speedup"] = raw_entry["time_s"] / decode_s
@@ -671,10 +732,19 @@ def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: t
         entry["verify"][str(k)] = v
         print(
             f"  {name} verify k={k} {v['time_s'] * 1e3:.3f} ms ({v['ratio_vs_decode']:.3f}x decode) "
-            f"{_pct(v)} bitwise {'equal' if v['bitwise_equal_decode'] else 'DIFFERENT'}",
+            f"{_pct(v)} bitwise {'equal' if v['bitwise_equal_decode'] else 'DIFFERENT'}{_kernels(v)}",
             flush=True,
         )
         ctx.report.save()
+
+
+def _kernels(r: dict) -> str:
+    """', GPU kernels X ms (group Y, ...)' from a timed step's `gpu_kernels` (empty off the GPU)."""
+    k = r.get("gpu_kernels")
+    if not k:
+        return ""
+    groups = ", ".join(f"{g} {us / 1e3:.2f}" for g, us in k["groups_us"].items())
+    return f"; GPU kernels {k['kernel_us'] / 1e3:.2f} ms in {k['launches']} launches ({groups})"
 
 
 def _pct(r: dict) -> str:

@@ -281,7 +281,7 @@ def _store_transposed(acc, ref):
     """Store the float32 accumulator [wg_rows, 16] (WGMMA layout) into the shared memory ref [16, wg_rows]: one
     scalar store per element (the kernel's output is token-major, so no transpose op runs after it)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
-    from jax._src.lib.mlir.dialects import memref
+    from jaxlib.mlir.dialects import memref
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
     def store(_, value, smem):

@@ -151,3 +151,44 @@ def test_a_broken_speculative_path_fails_the_bench(tmp_path, monkeypatch):
     failures = data["identity"]["failures"]
     assert any(f.startswith("steps/llama-3-8b") for f in failures)
     assert any(f.startswith("e2e/insert1/lookup/host") for f in failures)
+
+
+GPU_TRACE = """
+planes {
+  id: 1
+  name: "/device:GPU:0"
+  lines { id: 1 name: "Stream #13(Compute)"
+          events { metadata_id: 1 offset_ps: 0 duration_ps: 6000000 }
+          events { metadata_id: 2 offset_ps: 7000000 duration_ps: 3000000 }
+          events { metadata_id: 3 offset_ps: 11000000 duration_ps: 2000000 }
+          events { metadata_id: 1 offset_ps: 13000000 duration_ps: 6000000 } }
+  lines { id: 2 name: "XLA Ops" events { metadata_id: 2 offset_ps: 0 duration_ps: 99000000 } }
+  event_metadata { key: 1 value { id: 1 name: "int4_ws_streamk_mosaic_gpu_kernel" } }
+  event_metadata { key: 2 value { id: 2 name: "loop_add_fusion" } }
+  event_metadata { key: 3 value { id: 3 name: "jspec_attention_split" } }
+}
+planes { id: 2 name: "/host:CPU" lines { id: 1 name: "python" events { metadata_id: 1 duration_ps: 5000000000 } }
+         event_metadata { key: 1 value { id: 1 name: "int4_rows_matmul" } } }
+"""
+
+
+def test_kernel_times_sums_the_gpu_stream_kernels_per_call_and_group():
+    """Only kernel events on the GPU planes' stream lines count (not the "XLA Ops" line, not host planes)."""
+    data = jax.profiler.ProfileData.text_proto_to_serialized_xspace(GPU_TRACE)
+    times = bench.kernel_times(jax.profiler.ProfileData.from_serialized_xspace(data), calls=2)
+    assert times["kernel_us"] == 8.5 and times["launches"] == 2
+    assert times["groups_us"] == {"int4 Mosaic GPU": 6.0, "XLA ops": 1.5, "attention": 1.0}
+    assert list(times["top_kernels_us"]) == [
+        "int4_ws_streamk_mosaic_gpu_kernel",
+        "loop_add_fusion",
+        "jspec_attention_split",
+    ]
+
+
+def test_profile_records_what_runs():
+    f = jax.jit(lambda x: jnp.sin(x) * 2)
+    x = jnp.ones((64,))
+    f(x).block_until_ready()
+    data = bench.profile(lambda: f(x).block_until_ready())
+    assert any(plane.name.startswith("/host") for plane in data.planes)
+    assert bench.kernel_times(data, 1)["kernel_us"] == 0  # a CPU run has no GPU kernels

@@ -78,6 +78,20 @@ def test_generate_on_device_inside_user_jit():
     assert list(np.asarray(tokens[: int(n)])) == greedy("qwen2", "float32", tuple(prompt), 20)
 
 
+def test_engine_compiles_with_jspec_compiler_options(monkeypatch):
+    """The Engine's executables get `jspec.compiler_options()` (launch options on a GPU, none elsewhere): an option
+    name XLA does not know fails the compile with XLA's own error, never silently."""
+    from jspec import engine as engine_module
+
+    assert jspec.compiler_options("cpu") is None
+    assert jspec.compiler_options("gpu") == engine_module.GPU_COMPILER_OPTIONS
+    eng = engine()
+    fresh = jspec.Engine(eng.params, eng.cfg, max_len=MAX_LEN, k=4)
+    monkeypatch.setattr(engine_module, "compiler_options", lambda: {"xla_jspec_no_such_option": 1})
+    with pytest.raises(Exception, match="xla_jspec_no_such_option"):
+        fresh.generate([1, 2, 3], 4)
+
+
 @pytest.mark.parametrize("k", [1, 3, 7])
 @pytest.mark.parametrize("on_device", [False, True])
 def test_oracle_drafter_accepts_everything(k, on_device):
