@@ -8,8 +8,9 @@ Run on the GPU (appends one JSON line to --out):
         --rounds 2 --commit SHA --out $OUT/int4_probe_h200.jsonl
 (`--smoke`: CPU, tiny shape, the Triton kernel in interpret mode only, to check the script.)
 
-Per kernel, once: the compile time, row-exactness (rows of M = 1, 3, 8 vs M = 16, bitwise) and the largest
-relative difference from the naive dequantize-then-dot. Then `--rounds` rounds, each timing every kernel in turn
+Per kernel, once (`int4_layouts.measure`, a kernel that does not build is recorded and left out of the timing):
+row-exactness (rows of M = 1, 3, 8 vs M = 16, bitwise) and the largest absolute difference from the naive
+dequantize-then-dot; `check_s` includes the compile. Then `--rounds` rounds, each timing every kernel in turn
 (single samples swing by up to 30% on this machine, so compare kernels within a round): `full_us` the op as a
 model calls it (pad, kernel, segment sum, slice), and for the Mosaic kernel `tile_us` its kernel alone. Timing:
 `int4_matmul_bench.time_calls` (weight copies chained in one executable, past the L2; median of 5).
@@ -33,6 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import int4_matmul_bench as ib  # noqa: E402
+from benchmarks.int4_layouts import measure  # noqa: E402
 from pallas_kernels import int4_matmul, int4_ws  # noqa: E402
 
 ROOFLINE_BPS = 4.2e12  # the H200's HBM read roofline as measured by the other benchmarks (frac_4_2's unit)
@@ -59,25 +61,21 @@ def compare(specs: list, k: int, n: int, rounds: int, interpret: bool) -> dict:
     native = ib.random_weights(key, k, n, ib.n_copies(ib.int4_bytes(k, n)))
     x16 = jax.random.normal(key, (16, k), jnp.float32).astype(jnp.bfloat16)
     ref = np.asarray(ib.naive_op(x16, native[0]))
+    nbytes = ib.int4_bytes(k, n)
     kernels = [kernel(spec, k, n, native, interpret) for spec in specs]
     results = {}
     for name, op, weights, _ in kernels:
         start = time.perf_counter()
-        y = np.asarray(jax.jit(op)(x16, weights[0]))
-        results[name] = {
-            "compile_s": round(time.perf_counter() - start, 1),
-            "row_exact": ib.exactness(op, x16, weights[0], (1, 3, 8))["row_exact"],
-            "max_rel_vs_naive": float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))),
-            "full_us": [],
-            "tile_us": [],
-        }
+        results[name] = measure(op, weights, x16, ref, nbytes, ROOFLINE_BPS, ms=())  # bits and error, no timing
+        results[name].update(check_s=round(time.perf_counter() - start, 1), full_us=[], tile_us=[])
+    built = [kern for kern in kernels if "error" not in results[kern[0]]]
     for _ in range(rounds):
-        for name, op, weights, tile in kernels:
+        for name, op, weights, tile in built:
             results[name]["full_us"].append(round(ib.time_calls(op, x16[:1], weights, 5) * 1e6, 2))
             if tile is not None:
                 results[name]["tile_us"].append(round(ib.time_calls(tile, x16, weights, 5) * 1e6, 2))
-    nbytes = ib.int4_bytes(k, n)
-    for r in results.values():
+    for name, *_ in built:
+        r = results[name]
         r["frac_4_2"] = round(nbytes / (min(r["full_us"]) * 1e-6) / ROOFLINE_BPS, 3)
         if r["tile_us"]:
             r["tile_frac_4_2"] = round(nbytes / (min(r["tile_us"]) * 1e-6) / ROOFLINE_BPS, 3)
