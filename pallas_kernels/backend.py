@@ -16,6 +16,19 @@ import jax
 ROW_TILE = 16  # rows per tile: decode (M=1) and verify (M=k+1 <= ROW_TILE) run the same tile shapes
 
 BACKENDS = ("pallas", "interpret", "reference")
+
+
+def first_rows(y: jax.Array, m: int) -> jax.Array:
+    """The first m rows of a row-tile result y [ROW_TILE, ...].
+
+    Below a full tile the slice comes after an optimization barrier: XLA would otherwise sink it into the ops that
+    produce y (a split-K sum, a dot) and compile a different reduction for each m (DESIGN 2, rule 7). A full tile
+    (what decode_step and verify_step run) has no slice and needs no barrier, so XLA may fuse those ops into y's
+    consumer: the same shapes and the same graph in both steps, so the same fusion and the same bits.
+    """
+    return y if m == y.shape[0] else jax.lax.optimization_barrier(y)[:m]
+
+
 _override: str | None = None
 
 

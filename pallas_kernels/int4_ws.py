@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backend import ROW_TILE
+from pallas_kernels.backend import ROW_TILE, first_rows
 from pallas_kernels.int4 import BLOCK, Int4Weight, pack, unpack_codes
 from pallas_kernels.int4_matmul import _combine
 
@@ -161,7 +161,7 @@ def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> 
     part = partition(k, n, cfg)
     parts = _tile(jnp.pad(x, ((0, ROW_TILE - m), (0, 0))), w.codes, w.scales, cfg=cfg, part=part)
     live = np.repeat(np.arange(parts.shape[0])[:, None] < part.segments[None, :], cfg.tile_rows, axis=1)
-    return jax.lax.optimization_barrier(_combine(parts, live))[:m]
+    return first_rows(_combine(parts, live), m)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "part"))
