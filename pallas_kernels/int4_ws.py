@@ -69,7 +69,6 @@ class Config:
     ctas: int | None = None
     min_steps: int = 4
     chunks: int = 1
-    k_split: int = 1
 
     @property
     def tile_rows(self) -> int:
@@ -107,8 +106,6 @@ class Partition:
         t = np.arange(self.tiles)
         return self.cta_of((t + 1) * self.steps - 1) - self.cta_of(t * self.steps) + 1
 
-
-SCALE_COLS = 8  # group scales per shared-memory scale ref (16 bytes a row; a wider ref's column loads do not lower)
 
 # STORED_K[p]: the k (within a 32-k block) whose code is stored at position p = 8 t + 2 a + b: k = 8 a + 2 t + b.
 # Thread t of a quad reads stored positions 8t..8t+7 (upcast layout) and the wgmma layout gives it k = 8 a + 2 t + b.
@@ -163,8 +160,7 @@ def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> 
         raise ValueError(f"Int4Codes {w.shape} (K, N) do not fit x K={k} or the kernel tiles {cfg}")
     part = partition(k, n, cfg)
     parts = _tile(jnp.pad(x, ((0, ROW_TILE - m), (0, 0))), w.codes, w.scales, cfg=cfg, part=part)
-    segment = np.arange(parts.shape[0]) // cfg.k_split  # parts: segment-major, then the k half
-    live = np.repeat(segment[:, None] < part.segments[None, :], cfg.tile_rows, axis=1)
+    live = np.repeat(np.arange(parts.shape[0])[:, None] < part.segments[None, :], cfg.tile_rows, axis=1)
     return first_rows(_combine(parts, live), m)
 
 
@@ -175,11 +171,7 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     tile_k, wg_rows = cfg.tile_k, cfg.wg_rows
-    tile_rows, groups = cfg.tile_rows, tile_k // BLOCK
-    scale_refs = groups // SCALE_COLS  # the step's scales arrive as refs of SCALE_COLS columns each
-    ksplit, consumers = cfg.k_split, 2 * cfg.k_split
-    split_k = tile_k // ksplit  # k per consumer warpgroup per step
-    chunk_k = split_k // cfg.chunks
+    tile_rows, groups, chunk_k = cfg.tile_rows, tile_k // BLOCK, tile_k // cfg.chunks
     steps, units, ctas = part.steps, part.units, part.ctas
     code_swizzle, x_swizzle = min(128, tile_k // 2), min(128, tile_k * 2)
     code_tf = (plgpu.TilingTransform((8, code_swizzle * 2)), plgpu.SwizzleTransform(code_swizzle))
@@ -188,8 +180,7 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
 
     def int4_ws_streamk(x_gmem, c_gmem, s_gmem, o_gmem, o_smem):
         c, wg = jax.lax.axis_index("c"), jax.lax.axis_index("wg")
-        half, kh = (wg, 0) if ksplit == 1 else (wg % 2, wg // 2)
-        rows = pl.ds(half * wg_rows, wg_rows)
+        rows = pl.ds(wg * wg_rows, wg_rows)
         lo = c * units // ctas
         count = (c + 1) * units // ctas - lo
 
@@ -197,13 +188,7 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             u = lo + jnp.minimum(j, count - 1)
             return u // steps, u % steps
 
-        def body(idx, c_smem, *refs):
-            s_smems, x_smem, acc_ref = refs[:scale_refs], refs[-2], refs[-1]
-
-            def scale(column):  # float32 [wg_rows] scales of one static group column of the step
-                ref = s_smems[column // SCALE_COLS]
-                return plgpu.load(ref.at[rows, column % SCALE_COLS], layout=row_layout)
-
+        def body(idx, c_smem, s_smem, x_smem, acc_ref):
             j = idx[0]
             t, ks = unit(j)
 
@@ -211,23 +196,18 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             # its last unit repeats that unit into an accumulator nobody reads, and the zeroing is a select): a
             # wgmma or an accumulator write under a branch makes ptxas serialize every wgmma instruction (C7515).
             acc_ref[...] = jnp.where((ks == 0) | (j == 0), jnp.float32(0), acc_ref[...])
-            codes = c_smem.at[rows] if ksplit == 1 else c_smem.at[rows, pl.ds(kh * split_k, split_k)]
-            q = plgpu.load(codes, layout=plgpu.Layout.WGMMA_UPCAST_4X)
+            q = plgpu.load(c_smem.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X)
             for ch in range(cfg.chunks):
                 cols = slice(ch * chunk_k, (ch + 1) * chunk_k)
                 w = _as_wgmma(q[:, cols].astype(jnp.bfloat16))
                 parts = []
                 for g in range(chunk_k // BLOCK):
-                    group = ch * chunk_k // BLOCK + g
-                    sg = scale(group)
-                    for part_k in range(1, ksplit):  # static columns (a load at a traced column does not lower)
-                        sg = jnp.where(kh == part_k, scale(part_k * split_k // BLOCK + group), sg)
+                    sg = plgpu.load(s_smem.at[rows, ch * chunk_k // BLOCK + g], layout=row_layout)
                     parts.append(
                         w[:, g * BLOCK : (g + 1) * BLOCK] * jax.lax.broadcast_in_dim(sg, (wg_rows, BLOCK), [0])
                     )
                 wd = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-                x_cols = cols if ksplit == 1 else pl.ds(kh * split_k + ch * chunk_k, chunk_k)
-                plgpu.wgmma(acc_ref, wd, x_smem.at[:, x_cols].T)
+                plgpu.wgmma(acc_ref, wd, x_smem.at[:, cols].T)
             plgpu.wgmma_wait(0)
 
             @pl.when((j < count) & ((ks == steps - 1) | (j == count - 1)))  # a segment ends: store its partial
@@ -235,9 +215,8 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read o_smem
                 _store_transposed(acc_ref[...], o_smem.at[wg])
                 plgpu.commit_smem()
-                seg = (c - part.cta_of(t * steps)) * ksplit + kh
-                out_cols = pl.ds(t * tile_rows + half * wg_rows, wg_rows)
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[seg, :, out_cols])
+                seg = c - part.cta_of(t * steps)
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[seg, :, pl.ds(t * tile_rows + wg * wg_rows, wg_rows)])
 
             return acc_ref
 
@@ -254,28 +233,23 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec((tile_rows, tile_k), unit, transforms=code_tf),
-                *(
-                    plgpu.BlockSpec((tile_rows, SCALE_COLS), lambda j, i=i: (unit(j)[0], unit(j)[1] * scale_refs + i))
-                    for i in range(scale_refs)
-                ),
+                plgpu.BlockSpec((tile_rows, groups), unit),
                 plgpu.BlockSpec((ROW_TILE, tile_k), lambda j: (0, unit(j)[1]), transforms=x_tf),
             ],
             wg_axis="wg",
-            num_compute_wgs=consumers,
+            num_compute_wgs=2,
             max_concurrent_steps=cfg.stages,
             compute_context=compute_context,
-        )(c_gmem, *[s_gmem] * scale_refs, x_gmem)
+        )(c_gmem, s_gmem, x_gmem)
 
     return plgpu.kernel(
         int4_ws_streamk,
-        out_type=jax.ShapeDtypeStruct(
-            (int(part.segments.max()) * ksplit, ROW_TILE, part.tiles * tile_rows), jnp.float32
-        ),
+        out_type=jax.ShapeDtypeStruct((int(part.segments.max()), ROW_TILE, part.tiles * tile_rows), jnp.float32),
         grid=(ctas,),
         grid_names=("c",),
-        num_threads=consumers + 1,
+        num_threads=3,
         thread_name="wg",
-        scratch_types=dict(o_smem=plgpu.SMEM((consumers, ROW_TILE, wg_rows), jnp.float32)),
+        scratch_types=dict(o_smem=plgpu.SMEM((2, ROW_TILE, wg_rows), jnp.float32)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(xp, codes, scales)
 
