@@ -8,7 +8,7 @@ the kernel converts whole words with Mosaic's int4 -> bf16 upcast and re-labels 
 with no data movement (`_as_wgmma`). `to_int4_weight` undoes the preparation exactly.
 
 The kernel (DESIGN 2.1 row-tile rule: rows padded to ROW_TILE = 16, tiles from the shape only, partials combined
-outside in a fixed order, then a barrier and the slice to M rows): a stream-K partition (`Partition`) gives each
+outside in a fixed order, then `backend.first_rows`): a stream-K partition (`Partition`) gives each
 CTA (one per SM) an even share of the (row tile, k step) units. Per CTA one TMA warpgroup streams
 [2 * wg_rows, tile_k] code tiles, their [2 * wg_rows, tile_k / 32] scales and the [16, tile_k] x tile through a
 `stages`-deep ring; two consumer warpgroups each load wg_rows rows of codes in the upcast layout (32-bit shared

@@ -94,7 +94,7 @@ def rows_matmul(x: jax.Array, w: Weight) -> jax.Array:
 def reference_rows_matmul(x: jax.Array, w: Weight) -> jax.Array:
     """jnp reference of the row-tile product: pad to ROW_TILE rows, one fixed-shape product, then slice.
 
-    The optimization barrier keeps XLA from sinking the final slice into the dot (DESIGN 2, rule 7).
+    Below a full tile an optimization barrier keeps XLA from sinking the slice into the dot (`backend.first_rows`).
     """
     m = x.shape[0]
     tile = _backend.ROW_TILE

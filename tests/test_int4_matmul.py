@@ -220,3 +220,13 @@ def test_engine_warns_when_the_prepared_copy_does_not_fit(monkeypatch):
         eng.generate([5, 17, 42], 6).tokens
         == jspec.Engine(params, cfg, max_len=32, k=2, prepare=True).generate([5, 17, 42], 6).tokens
     )
+
+
+def test_first_rows_barrier_only_below_a_full_tile():
+    """A slice below the full row tile sits behind an optimization barrier (XLA cannot sink it into the product); the
+    full tile has neither, so XLA may fuse the product's epilogue into its consumer."""
+    y = jnp.arange(backend.ROW_TILE * 3, dtype=jnp.float32).reshape(backend.ROW_TILE, 3)
+    for m in (1, 7, backend.ROW_TILE):
+        jaxpr = str(jax.make_jaxpr(lambda a, m=m: backend.first_rows(a * 2, m))(y))
+        assert ("optimization_barrier" in jaxpr) == (m < backend.ROW_TILE), jaxpr
+        np.testing.assert_array_equal(backend.first_rows(y, m), y[:m])
