@@ -106,6 +106,7 @@ def main() -> int:
         prepared = resolve_prepare(None, params, dtype, get_backend())  # the weights an Engine runs on
         weights = prepare_params(params, dtype, get_backend()) if prepared else params
         mismatch = verify_rows_match_decode(weights, cfg, prompt, tuple(ks), max_len=512)
+        print(f"  {family} {kind}: step check (k = {ks}) done at {time.perf_counter() - t0:.0f} s", flush=True)
         step_ok = all(not rows for rows in mismatch.values())
         e2e = {}
         if kind == "int4" and family in ("qwen2", "qwen3_next"):
@@ -134,6 +135,7 @@ def main() -> int:
             greedy = engine.generate(echo, 96).tokens
             for name, kw in modes.items():
                 r = engine.generate(echo, 96, **kw)
+                print(f"  {family} {kind}: {name} done at {time.perf_counter() - t0:.0f} s", flush=True)
                 e2e[name] = dict(
                     identical=r.tokens == greedy,
                     verify_steps=r.stats.verify_steps,
