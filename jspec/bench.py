@@ -401,14 +401,18 @@ def random_int4_params(cfg: ModelConfig, seed: int, lm_head_int4: bool) -> dict:
 
 
 def scale_attention_output(params: dict, factor: float) -> dict:
-    """Params sharing every leaf but the o projections, whose int4 scales are multiplied by `factor`."""
+    """Dense params whose attention sub-block adds `factor` times its output to the residual stream (factor 0: the
+    model is a Markov chain over tokens). Every leaf is shared but the scaled one per layer: the o projection (an
+    int4 weight's scales), or, where a post-attention norm follows it (glm4), that norm's weight: the norm would
+    undo a scaled o."""
 
     def scaled(w):
         if isinstance(w, Int4Weight):
             return dataclasses.replace(w, scales=(w.scales.astype(jnp.float32) * factor).astype(jnp.bfloat16))
         return (w.astype(jnp.float32) * factor).astype(w.dtype)
 
-    layers = [dict(layer, o=scaled(layer["o"])) for layer in params["layers"]]
+    key = "post_self_attn_norm" if "post_self_attn_norm" in params["layers"][0] else "o"
+    layers = [dict(layer, **{key: scaled(layer[key])}) for layer in params["layers"]]
     return dict(params, layers=layers)
 
 

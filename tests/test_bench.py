@@ -8,6 +8,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jspec import bench, cli
@@ -192,3 +193,24 @@ def test_profile_records_what_runs():
     data = bench.profile(lambda: f(x).block_until_ready())
     assert any(plane.name.startswith("/host") for plane in data.planes)
     assert bench.kernel_times(data, 1)["kernel_us"] == 0  # a CPU run has no GPU kernels
+
+
+@pytest.mark.parametrize("family", ["qwen2", "glm4"])
+def test_scale_attention_output_scales_what_attention_adds(family):
+    """With the MLP zeroed, a layer adds only its attention output to the residual stream: scaled params add
+    `factor` times that (glm4: through its post-attention norm, which would undo a scaled o)."""
+    from jspec.models import dense
+    from tests.tiny import tiny_config, tiny_params
+
+    cfg = tiny_config(family)
+    params = tiny_params(cfg)
+    params["layers"] = [dict(p, gate_up=jnp.zeros_like(p["gate_up"])) for p in params["layers"]]
+    x = params["embed"][jnp.array([3, 7, 11, 5])]
+    positions = jnp.arange(4, dtype=jnp.int32)
+
+    def added(p):
+        return dense.layer(p["layers"][0], cfg, x, positions, None, None)[0] - x
+
+    full, scaled = added(params), added(bench.scale_attention_output(params, 0.25))
+    assert float(jnp.max(jnp.abs(full))) > 0.01
+    np.testing.assert_allclose(scaled, 0.25 * full, rtol=1e-5, atol=1e-6)
