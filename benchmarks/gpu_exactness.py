@@ -108,7 +108,7 @@ def main() -> int:
         mismatch = verify_rows_match_decode(weights, cfg, prompt, tuple(ks), max_len=512)
         print(f"  {family} {kind}: step check (k = {ks}) done at {time.perf_counter() - t0:.0f} s", flush=True)
         step_ok = all(not rows for rows in mismatch.values())
-        e2e = {}
+        e2e, o_factor = {}, None
         if kind == "int4" and family in ("qwen2", "qwen3_next"):
             modes = {
                 "lookup_host": dict(drafter=jspec.PromptLookup()),
@@ -121,15 +121,16 @@ def main() -> int:
                 modes.update(mtp_host=dict(drafter=mtp), mtp_device=dict(drafter=mtp, on_device=True))
             # The end-to-end checks run the same model with a 512-token vocabulary: with 32000 tokens a random
             # model's greedy text rarely repeats, so prompt lookup drafted in 1 of 96 steps (H200, 2026-11-29) and
-            # the gated run never. Prompt + its own greedy continuation + prompt then keeps lookup drafting; a
-            # check with no verify round is vacuous and fails.
-            # A dense model's own attention keeps its greedy text from repeating the echoed continuation (H200: 29
-            # verify rounds, none accepting a draft, so the gated run never drafted); with the attention output
-            # scaled by E2E_O_FACTOR it is close to a Markov chain and lookup drafts are accepted (CPU: 19 verify
-            # rounds at 4.4 tokens each, 19 gated), while attention still adds to every logit.
+            # the gated run never. Prompt + its own greedy continuation + prompt then keeps lookup drafting (a
+            # check with no verify round is vacuous and fails), but a dense model's own attention still kept its
+            # greedy text from repeating the echoed continuation (H200: 29 verify rounds, none accepting a draft;
+            # the gated run never drafted). With its attention output scaled by E2E_O_FACTOR it is close to a
+            # Markov chain and lookup drafts are accepted (CPU: 19 verify rounds at 4.4 tokens each, 19 gated),
+            # while attention still adds to every logit.
             e2e_cfg, e2e_params = model(family, kind, args.small, vocab=E2E_VOCAB)
             if family != "qwen3_next":
-                e2e_params = scale_attention_output(e2e_params, E2E_O_FACTOR)
+                o_factor = E2E_O_FACTOR
+                e2e_params = scale_attention_output(e2e_params, o_factor)
             engine = jspec.Engine(e2e_params, e2e_cfg, max_len=512, k=7 if not cfg.num_mtp_layers else 3)
             echo = prompt + engine.generate(prompt, 48).tokens + prompt
             greedy = engine.generate(echo, 96).tokens
@@ -148,8 +149,8 @@ def main() -> int:
             family=family, weights=kind, prepared=prepared, step_mismatches={str(k): v for k, v in mismatch.items()}
         )
         run.update(step_exact=step_ok, e2e=e2e, ok=ok, seconds=time.perf_counter() - t0)
-        if e2e and family != "qwen3_next":
-            run["e2e_o_factor"] = E2E_O_FACTOR
+        if o_factor is not None:
+            run["e2e_o_factor"] = o_factor
         report["runs"].append(run)
         with open(args.out, "w") as f:  # rewritten after every model: a run cut short keeps what it measured
             json.dump(report, f, indent=1)

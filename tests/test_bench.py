@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from jspec import bench, cli
+from jspec.models import dense
+from tests.tiny import tiny_config, tiny_params
 
 
 @pytest.fixture(scope="module")
@@ -199,9 +201,6 @@ def test_profile_records_what_runs():
 def test_scale_attention_output_scales_what_attention_adds(family):
     """With the MLP zeroed, a layer adds only its attention output to the residual stream: scaled params add
     `factor` times that (glm4: through its post-attention norm, which would undo a scaled o)."""
-    from jspec.models import dense
-    from tests.tiny import tiny_config, tiny_params
-
     cfg = tiny_config(family)
     params = tiny_params(cfg)
     params["layers"] = [dict(p, gate_up=jnp.zeros_like(p["gate_up"])) for p in params["layers"]]
