@@ -3,6 +3,7 @@ codes and round trip, the prefill product, which weights `prepare_ws` hands over
 Engine's choice; plus the kernel's row-exactness when a GPU is present (it has no interpret mode)."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ from pallas_kernels.matmul import Int4Halves, linear, prepare_ws, ws_prep_nbytes
 from tests.tiny import tiny_config, tiny_params
 
 ON_GPU = jax.default_backend() == "gpu"
+# The kernel is written against the Mosaic GPU API of jax >= 0.11 (the GPU's); older jax cannot trace it.
+KERNEL_TRACES = tuple(int(part) for part in jax.__version__.split(".")[:2]) >= (0, 11)
 
 
 def _weight(k, n, seed=0, symmetric=True):
@@ -115,6 +118,30 @@ def test_stream_k_partition_covers_every_unit_once_in_numbered_segments(k, n, ct
             slots.add((t, c - part.cta_of(t * part.steps)))
     assert (seen == 1).all()
     assert slots == {(t, s) for t in range(part.tiles) for s in range(part.segments[t])}
+
+
+def _primitives(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn.primitive.name
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _primitives(sub)
+
+
+@pytest.mark.skipif(not KERNEL_TRACES, reason="the kernel needs the Mosaic GPU API of jax >= 0.11")
+def test_kernel_index_arithmetic_has_no_floor_division_sign_corrections():
+    # jnp's // and % on the kernel's int32 indices add sign corrections, and Mosaic GPU asks ptxas for its version
+    # (a process, ~7 ms) for each of their boolean conversions: on the H200 that was 8 of the 11 s it took to lower
+    # a step executable. The indices are never negative, so the kernel divides with lax.div / lax.rem.
+    cfg, k, n = int4_ws.Config(ctas=8), 1280, 512
+    part = int4_ws.partition(k, n, cfg)
+    args = [
+        jax.ShapeDtypeStruct((16, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((n, k), jnp.int4),
+        jax.ShapeDtypeStruct((n, k // 32), jnp.bfloat16),
+    ]
+    jaxpr = jax.make_jaxpr(lambda x, c, s: int4_ws._tile(x, c, s, cfg=cfg, part=part))(*args)
+    names = set(_primitives(jaxpr.jaxpr))
+    assert "div" in names and "sign" not in names
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
