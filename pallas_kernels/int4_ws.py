@@ -1,11 +1,11 @@
 """Warp-specialized Mosaic GPU int4 row-tile matmul (Hopper), on weights prepared once as signed int4 codes.
 
-`Int4Codes` holds an `Int4Weight` (symmetric) re-coded for this kernel: each code is the two's-complement int4 of
-q - 8 (`jnp.int4` [N, K], same memory), and inside every 32-k block (one scale group) the codes are stored in the
-order `STORED_K`: a thread's 8 consecutive stored codes, which Mosaic's int4 upcast layout hands it as one 32-bit
-word, are then exactly the 8 k the wgmma register layout gives that thread (pairs 2t, 2t+1 of each 8 columns). So
-the kernel converts whole words with Mosaic's int4 -> bf16 upcast and re-labels the result as the wgmma operand
-with no data movement (`_as_wgmma`). `to_int4_weight` undoes the preparation exactly.
+`Int4Codes` holds an `Int4Weight` (symmetric) re-coded for this kernel: each code is the two's-complement int4 of q - 8
+(`jnp.int4` [N, K], same memory; K padded with zero codes to a multiple of the 256-k tile), and inside every 32-k block
+(one scale group) the codes are stored in the order `STORED_K`: a thread's 8 consecutive stored codes, which Mosaic's
+int4 upcast layout hands it as one 32-bit word, are then exactly the 8 k the wgmma register layout gives that thread
+(pairs 2t, 2t+1 of each 8 columns). So the kernel converts whole words with Mosaic's int4 -> bf16 upcast and re-labels
+the result as the wgmma operand with no data movement (`_as_wgmma`). `to_int4_weight` undoes the preparation exactly.
 
 The kernel (DESIGN 2.1 row-tile rule: rows padded to ROW_TILE = 16, tiles from the shape only, partials combined
 outside in a fixed order, then `backend.first_rows`): a stream-K partition (`Partition`) gives each
@@ -39,17 +39,19 @@ from pallas_kernels.int4_matmul import _combine
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Int4Codes:
-    """A symmetric Int4Weight W [K, N] prepared for this kernel: codes int4 [N, K] = q - 8 with the k of every 32-k
-    block in `STORED_K` order, scales bf16 [N, K/32] (unchanged)."""
+    """A symmetric Int4Weight W [K, N] prepared for this kernel: codes int4 [N, K_pad] = q - 8 with the k of every
+    32-k block in `STORED_K` order, scales bf16 [N, K_pad / 32]. K_pad is K rounded up to a multiple of `PAD_K`
+    (the default k tile); the padding holds zero codes and zero scales, and x is padded with zeros to match, so
+    every padded term of the product is 0 * 0. k: the logical K (static)."""
 
     codes: jax.Array
     scales: jax.Array
+    k: int = dataclasses.field(metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:
         """Logical (K, N)."""
-        n, k = self.codes.shape
-        return (k, n)
+        return (self.k, self.codes.shape[0])
 
     @property
     def nbytes(self) -> int:
@@ -119,6 +121,14 @@ def _div(a, b):
 STORED_K = np.array([8 * ((p % 8) // 2) + 2 * (p // 8) + p % 2 for p in range(BLOCK)])
 
 
+PAD_K = Config().tile_k  # Int4Codes pad K to a multiple of this
+
+
+def padded_k(k: int) -> int:
+    """K rounded up to a multiple of PAD_K: the K of the codes `prepare_codes` makes for a weight of K rows."""
+    return -(-k // PAD_K) * PAD_K
+
+
 def prepare_codes(w: Int4Weight) -> Int4Codes:
     """Int4Weight (symmetric) -> Int4Codes; raises for asymmetric weights (the kernel has no zero points)."""
     if w.zeros is not None:
@@ -126,18 +136,20 @@ def prepare_codes(w: Int4Weight) -> Int4Codes:
     q = unpack_codes(w)
     n, k = q.shape
     stored = q.reshape(n, k // BLOCK, BLOCK)[..., STORED_K].reshape(n, k)
-    return Int4Codes((stored.astype(jnp.int8) - 8).astype(jnp.int4), w.scales)
+    pad = padded_k(k) - k
+    codes = jnp.pad(stored.astype(jnp.int8) - 8, ((0, 0), (0, pad))).astype(jnp.int4)
+    return Int4Codes(codes, jnp.pad(w.scales, ((0, 0), (0, pad // BLOCK))), k)
 
 
 def to_int4_weight(w: Int4Codes) -> Int4Weight:
     """The exact inverse of `prepare_codes`."""
-    n, k = w.codes.shape
-    stored = (w.codes.astype(jnp.int8) + 8).astype(jnp.uint8).reshape(n, k // BLOCK, BLOCK)
-    return pack(stored[..., np.argsort(STORED_K)].reshape(n, k), w.scales)
+    k, n = w.shape
+    stored = (w.codes[:, :k].astype(jnp.int8) + 8).astype(jnp.uint8).reshape(n, k // BLOCK, BLOCK)
+    return pack(stored[..., np.argsort(STORED_K)].reshape(n, k), w.scales[:, : k // BLOCK])
 
 
 def fits(k: int, n: int, cfg: Config = Config()) -> bool:
-    """Whether the kernel's tiles divide the shape."""
+    """Whether the kernel's tiles divide the shape (K as stored: padded_k of the weight's)."""
     return k % cfg.tile_k == 0 and n % cfg.tile_rows == 0
 
 
@@ -158,15 +170,16 @@ def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> 
     """x [M <= 16, K] bfloat16 @ W [K, N] -> float32 [M, N], row-exact in M (GPU only)."""
     cfg = config or Config()
     m, k = x.shape
-    n = w.codes.shape[0]
+    n, k_stored = w.codes.shape
     if not 1 <= m <= ROW_TILE:
         raise ValueError(f"rows_matmul takes 1..{ROW_TILE} rows, got {m}")
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"the Mosaic GPU int4 kernel takes bfloat16 activations, got {x.dtype}")
-    if w.shape[0] != k or not fits(k, n, cfg):
+    if w.shape[0] != k or not fits(k_stored, n, cfg):
         raise ValueError(f"Int4Codes {w.shape} (K, N) do not fit x K={k} or the kernel tiles {cfg}")
-    part = partition(k, n, cfg)
-    parts = _tile(jnp.pad(x, ((0, ROW_TILE - m), (0, 0))), w.codes, w.scales, cfg=cfg, part=part)
+    part = partition(k_stored, n, cfg)
+    xp = jnp.pad(x, ((0, ROW_TILE - m), (0, k_stored - k)))  # zero rows below M, zero k under the padded codes
+    parts = _tile(xp, w.codes, w.scales, cfg=cfg, part=part)
     live = np.repeat(np.arange(parts.shape[0])[:, None] < part.segments[None, :], cfg.tile_rows, axis=1)
     return first_rows(_combine(parts, live), m)
 

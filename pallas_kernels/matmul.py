@@ -14,9 +14,9 @@ reference product then runs on the stored halves with the same dots, giving the 
 every call.
 
 On the GPU, `prepare_ws` (what `Engine` does by default with bfloat16 activations) does the same kind of one-time
-preparation for the int4 weights: it replaces every symmetric one whose shape fits by its `Int4Codes` (same bytes,
-re-biased) served by the warp-specialized Mosaic GPU kernel of `pallas_kernels.int4_ws`, faster than the Triton
-row-tile kernel on every measured shape (KERNEL_NOTES.md).
+preparation for the int4 weights: it replaces every symmetric one whose N fits the kernel's row tile by its `Int4Codes`
+(same bytes, re-biased; K padded to the k tile) served by the warp-specialized Mosaic GPU kernel of
+`pallas_kernels.int4_ws`, faster than the Triton row-tile kernel on every measured shape (KERNEL_NOTES.md).
 The jnp reference product takes `Int4Codes` too, with the bits of the `Int4Weight` they came from.
 """
 
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import backend as _backend
 from pallas_kernels.int4 import Int4Weight, dequantize_halves
-from pallas_kernels.int4_ws import Int4Codes, fits, prepare_codes, to_int4_weight
+from pallas_kernels.int4_ws import Int4Codes, fits, padded_k, prepare_codes, to_int4_weight
 
 
 @jax.tree_util.register_dataclass
@@ -137,23 +137,25 @@ def prepare_reference(params, dtype):
 
 
 def prepare_ws(params):
-    """params with every symmetric Int4Weight whose shape fits the Mosaic GPU kernel's tiles replaced by its
-    Int4Codes (same memory). On the H200 that kernel beat the Triton row-tile kernel on every Qwen2.5-7B / 14B
-    linear shape: 1.28-1.58x on gate_up, down, lm_head (benchmarks/results/int4_matmul_h200.json) and 1.15-1.49x
-    on qkv and o (same-process runs, benchmarks/results/int4_qkv_o_h200.json)."""
+    """params with every symmetric Int4Weight whose N fits the Mosaic GPU kernel's 128-row tile replaced by its
+    Int4Codes (same memory, K padded to a multiple of the 256-k tile: e.g. GLM-4-9B's down, K = 13696). On the H200
+    that kernel beat the Triton row-tile kernel on every Qwen2.5-7B / 14B linear shape: 1.28-1.58x on gate_up,
+    down, lm_head (benchmarks/results/int4_matmul_h200.json) and 1.15-1.49x on qkv and o (same-process runs,
+    benchmarks/results/int4_qkv_o_h200.json)."""
     return _map_int4(lambda w: prepare_codes(w) if _takes_ws(w) else w, params)
 
 
 def _takes_ws(w: Int4Weight) -> bool:
     k, n = w.shape
-    return w.zeros is None and fits(k, n)
+    return w.zeros is None and fits(padded_k(k), n)
 
 
 def ws_prep_nbytes(params) -> int:
-    """Device bytes `prepare_ws(params)` needs: a copy of the codes it converts (the caller keeps the originals)
-    plus the largest conversion's temporaries (~3 bytes a weight: unpacked, re-biased, re-packed)."""
+    """Device bytes `prepare_ws(params)` needs: a copy of the codes it converts, K padded (the caller keeps the
+    originals), plus the largest conversion's temporaries (~3 bytes a weight: unpacked, re-biased, re-packed)."""
     taken = [w for w in jax.tree.leaves(params, is_leaf=_is_int4) if _is_int4(w) and _takes_ws(w)]
-    return sum(w.nbytes for w in taken) + max((3 * w.shape[0] * w.shape[1] for w in taken), default=0)
+    sizes = [(padded_k(w.shape[0]), w.shape[1], w.nbytes // w.shape[0]) for w in taken]  # bytes scale with K
+    return sum(k * per_k for k, _, per_k in sizes) + max((3 * k * n for k, n, _ in sizes), default=0)
 
 
 def prepared_nbytes(params, dtype) -> int:

@@ -42,6 +42,22 @@ def test_codes_are_q_minus_8_in_stored_order_and_round_trip():
     assert np.array_equal(bits(back.scales), bits(w.scales)) and back.zeros is None
 
 
+def test_codes_pad_k_to_the_k_tile_with_zero_codes_and_scales():
+    w = _weight(288, 128, seed=12)  # K = 9 blocks of 32: padded to 512
+    c = prepare_codes(w)
+    assert c.shape == (288, 128) and c.codes.shape == (128, 512) and c.scales.shape == (128, 16)
+    assert not np.asarray(c.codes[:, 288:].astype(jnp.int32)).any() and not np.asarray(c.scales[:, 9:]).any()
+    assert c.nbytes == w.nbytes * 512 // 288 and ws_prep_nbytes({"w": w}) == c.nbytes + 3 * 512 * 128
+    back = to_int4_weight(c)
+    assert np.array_equal(np.asarray(back.packed), np.asarray(w.packed))
+    assert np.array_equal(bits(back.scales), bits(w.scales))
+    x = jnp.asarray(np.random.default_rng(13).standard_normal((24, 288)), jnp.bfloat16)
+    f = jax.jit(lambda x, w: linear(x, w, out_dtype=jnp.float32))
+    assert np.array_equal(bits(f(x, w)), bits(f(x, c)))  # prefill path
+    with backend.use_backend("reference"):
+        assert np.array_equal(bits(f(x[:5], w)), bits(f(x[:5], c)))  # row-tile path
+
+
 def test_asymmetric_weights_are_refused():
     with pytest.raises(ValueError, match="symmetric int4 weights only"):
         prepare_codes(_weight(64, 32, symmetric=False))
@@ -71,12 +87,13 @@ def test_prepare_ws_takes_the_symmetric_weights_that_fit_the_kernel():
         "gate_up": _weight(256, 1024, seed=4),
         "down": _weight(256, 512, seed=5),
         "asym": _weight(256, 1024, seed=6, symmetric=False),
-        "odd_k": _weight(288, 1024, seed=7),  # K not a multiple of the 256-k tile
+        "odd_k": _weight(288, 1024, seed=7),  # K not a multiple of the 256-k tile: padded
+        "odd_n": _weight(256, 1056, seed=7),  # N not a multiple of the 128-row tile
         "norm": jnp.ones((8,)),
     }
     out = prepare_ws(params)
-    assert isinstance(out["gate_up"], Int4Codes) and isinstance(out["down"], Int4Codes)
-    assert all(isinstance(out[k], Int4Weight) for k in ("asym", "odd_k"))
+    assert all(isinstance(out[k], Int4Codes) for k in ("gate_up", "down", "odd_k"))
+    assert all(isinstance(out[k], Int4Weight) for k in ("asym", "odd_n"))
     assert out["norm"] is params["norm"]
 
 
@@ -155,8 +172,11 @@ def test_kernel_index_arithmetic_has_no_floor_division_sign_corrections():
         int4_ws.Config(ctas=5, min_steps=1, chunks=2, wg_rows=128),
     ],
 )
-def test_gpu_row_exact_and_close_to_the_reference(config):
-    k, n = 1280, 512  # 4 tiles x 5 K steps: segments of 1..4 steps, one to three per tile
+@pytest.mark.parametrize("k", [1280, 1376])
+def test_gpu_row_exact_and_close_to_the_reference(config, k):
+    # n = 512: 4 tiles; k = 1280: 5 K steps, segments of 1..4 steps, one to three per tile; 1376 (43 blocks of 32):
+    # codes padded to 1536
+    n = 512
     w = _weight(k, n, seed=8)
     x = jnp.asarray(np.random.default_rng(9).standard_normal((16, k)), jnp.bfloat16)
     c = prepare_codes(w)
