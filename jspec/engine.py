@@ -58,7 +58,7 @@ class Engine:
     prepare: prepare the int4 weights once for the kernel backend. "reference" (CPU): dequantize them
       (`pallas_kernels.prepare_reference`: same bits, more memory) instead of in every step; "pallas" (GPU) with
       bfloat16 activations: hand every symmetric one whose N fits to the warp-specialized Mosaic GPU kernel
-      (`pallas_kernels.prepare_ws`: a re-ordered copy of the same size, faster than the Triton kernel). None:
+      (`pallas_kernels.prepare_ws`: a re-ordered copy, K padded to 256, faster than the Triton kernel). None:
       `prepares_by_default` (both of those), unless the copy would not fit (`prep_shortfall`: over a quarter of
       physical memory for the reference halves, more than the device's free memory for the codes): then a warning
       says so and the weights stay as they are. `self.prepared` records the choice.

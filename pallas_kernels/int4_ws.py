@@ -1,7 +1,7 @@
 """Warp-specialized Mosaic GPU int4 row-tile matmul (Hopper), on weights prepared once as signed int4 codes.
 
 `Int4Codes` holds an `Int4Weight` (symmetric) re-coded for this kernel: each code is the two's-complement int4 of q - 8
-(`jnp.int4` [N, K], same memory; K padded with zero codes to a multiple of the 256-k tile), and inside every 32-k block
+(`jnp.int4` [N, K]; K padded with zero codes to a multiple of the 256-k tile), and inside every 32-k block
 (one scale group) the codes are stored in the order `STORED_K`: a thread's 8 consecutive stored codes, which Mosaic's
 int4 upcast layout hands it as one 32-bit word, are then exactly the 8 k the wgmma register layout gives that thread
 (pairs 2t, 2t+1 of each 8 columns). So the kernel converts whole words with Mosaic's int4 -> bf16 upcast and re-labels

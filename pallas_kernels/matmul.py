@@ -15,7 +15,7 @@ every call.
 
 On the GPU, `prepare_ws` (what `Engine` does by default with bfloat16 activations) does the same kind of one-time
 preparation for the int4 weights: it replaces every symmetric one whose N fits the kernel's row tile by its `Int4Codes`
-(same bytes, re-biased; K padded to the k tile) served by the warp-specialized Mosaic GPU kernel of
+(re-biased, K padded to the k tile) served by the warp-specialized Mosaic GPU kernel of
 `pallas_kernels.int4_ws`, faster than the Triton row-tile kernel on every measured shape (KERNEL_NOTES.md).
 The jnp reference product takes `Int4Codes` too, with the bits of the `Int4Weight` they came from.
 """
@@ -138,7 +138,7 @@ def prepare_reference(params, dtype):
 
 def prepare_ws(params):
     """params with every symmetric Int4Weight whose N fits the Mosaic GPU kernel's 128-row tile replaced by its
-    Int4Codes (same memory, K padded to a multiple of the 256-k tile: e.g. GLM-4-9B's down, K = 13696). On the H200
+    Int4Codes (K padded to a multiple of the 256-k tile: e.g. GLM-4-9B's down, K = 13696). On the H200
     that kernel beat the Triton row-tile kernel on every Qwen2.5-7B / 14B linear shape: 1.28-1.58x on gate_up,
     down, lm_head (benchmarks/results/int4_matmul_h200.json) and 1.15-1.49x on qkv and o (same-process runs,
     benchmarks/results/int4_qkv_o_h200.json)."""
