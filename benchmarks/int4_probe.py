@@ -93,9 +93,8 @@ def main():
     args = ap.parse_args()
     specs = json.loads(args.kernels)
     k, n = (int(v) for v in args.shape.split(","))
-    if args.smoke:
-        if specs != ["triton"]:
-            raise SystemExit("int4_probe --smoke runs the Triton kernel only: --kernels '[\"triton\"]'")
+    if args.smoke and specs != ["triton"]:
+        raise SystemExit("int4_probe --smoke runs the Triton kernel only: --kernels '[\"triton\"]'")
     result = compare(specs, k, n, args.rounds, interpret=args.smoke)
     result.update(commit=args.commit, jax=jax.__version__, device=jax.devices()[0].device_kind)
     print(json.dumps(result), flush=True)

@@ -154,8 +154,8 @@ def ws_prep_nbytes(params) -> int:
     """Device bytes `prepare_ws(params)` needs: a copy of the codes it converts, K padded (the caller keeps the
     originals), plus the largest conversion's temporaries (~3 bytes a weight: unpacked, re-biased, re-packed)."""
     taken = [w for w in jax.tree.leaves(params, is_leaf=_is_int4) if _is_int4(w) and _takes_ws(w)]
-    sizes = [(padded_k(w.shape[0]), w.shape[1], w.nbytes // w.shape[0]) for w in taken]  # bytes scale with K
-    return sum(k * per_k for k, _, per_k in sizes) + max((3 * k * n for k, n, _ in sizes), default=0)
+    copies = sum(w.nbytes * padded_k(w.shape[0]) // w.shape[0] for w in taken)  # an Int4Weight's bytes scale with K
+    return copies + max((3 * padded_k(w.shape[0]) * w.shape[1] for w in taken), default=0)
 
 
 def prepared_nbytes(params, dtype) -> int:
