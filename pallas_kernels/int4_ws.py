@@ -63,11 +63,7 @@ class Config:
     """tile_k: k per pipeline step (256: 128 code bytes per row, one 128B swizzle); stages: ring depth; wg_rows:
     weight rows per consumer warpgroup (a tile = 2 x wg_rows rows); ctas: CTAs of the stream-K partition (None:
     the device's SM count, one CTA per SM); min_steps: fewest pipeline steps per CTA (small shapes get fewer CTAs);
-    chunks: k chunks per step, each converted and handed to its own wgmma before the next is converted; pdl:
-    programmatic dependent launch: the kernel may start while the previous kernel finishes and waits for it
-    (`griddepcontrol.wait`) before its first load, and lets the next kernel launch at once (that kernel waits for this
-    one to finish in turn); l2_steps: pipeline steps of weights each CTA prefetches into L2 before that wait (the
-    weights never depend on the previous kernel; with pdl only)."""
+    chunks: k chunks per step, each converted and handed to its own wgmma before the next is converted."""
 
     tile_k: int = 256
     stages: int = 4
@@ -75,8 +71,6 @@ class Config:
     ctas: int | None = None
     min_steps: int = 4
     chunks: int = 1
-    pdl: bool = True
-    l2_steps: int = 0
 
     @property
     def tile_rows(self) -> int:
@@ -213,15 +207,6 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
         def unit(j):  # a CTA with one unit fewer repeats its last unit (its product is discarded)
             u = lo + jnp.minimum(j, count - 1)
             return _div(u, steps), jax.lax.rem(u, steps)
-
-        if cfg.pdl:
-            for j in range(min(cfg.l2_steps, part.per_cta)):
-                t, ks = unit(j)
-                tile = pl.ds(t * tile_rows, tile_rows)
-                plgpu.async_prefetch(c_gmem.at[tile, pl.ds(ks * tile_k, tile_k)], predicate=wg == 0)
-                plgpu.async_prefetch(s_gmem.at[tile, pl.ds(ks * groups, groups)], predicate=wg == 0)
-            plgpu.griddepcontrol_wait()  # x is the previous kernel's output, and it may still read what we overwrite
-            plgpu.griddepcontrol_launch_dependents()
 
         def body(idx, c_smem, s_smem, x_smem, acc_ref):
             j = idx[0]
