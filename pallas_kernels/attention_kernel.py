@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as _pl_triton
 
+from pallas_kernels import attention_ws
 from pallas_kernels.backend import ROW_TILE
 
 FOLD_HEADS = True  # one dot over all query heads of a KV head (heads padded to a power of 2); False: one per head
@@ -270,6 +271,7 @@ def attention(
     combine_chunk: int = COMBINE_CHUNK,
     combine_warps: int = COMBINE_WARPS,
     combine_stages: int = COMBINE_STAGES,
+    mosaic: bool | None = None,
 ) -> jax.Array:
     """q [M <= ROW_TILE, Hq, D] at positions start..start+M-1 (start: int32 scalar, may be traced); caches
     [S, Hkv, D] in q.dtype (float32 or bfloat16) -> [M, Hq, D] in q.dtype.
@@ -279,13 +281,22 @@ def attention(
     read). GQA: query head h uses KV head h // (Hq // Hkv). The tuning arguments change the bits (never the row
     exactness); a model keeps the defaults (block_k / num_stages None: `split_tiles` picks them from the shape).
     The partition: splits of `split` positions before position `far_from`, of `far_split` from there (far_split
-    None: of `split` everywhere).
+    None: of `split` everywhere). mosaic: compute the partials with the warp-specialized Mosaic GPU kernel
+    (`attention_ws`; GPU, bfloat16, head_dim 64/128/256) instead of the Triton one; None: whenever it fits (not in
+    interpret mode). The split-kernel tuning arguments then do not apply.
     """
     _check_inputs(q, k_cache, v_cache)
-    _, hq, d = q.shape
-    rows = _tile_heads(hq // k_cache.shape[1], fold_heads) * ROW_TILE
+    d = q.shape[-1]
+    if mosaic is None:
+        mosaic = not interpret and attention_ws.fits(q.dtype, d)
+    elif mosaic and (interpret or not attention_ws.fits(q.dtype, d)):
+        raise ValueError(
+            f"the Mosaic GPU attention kernel takes bfloat16 caches with head_dim 64, 128 or 256 on the GPU, got "
+            f"{q.dtype} head_dim {d}{' in interpret mode' if interpret else ''}"
+        )
+    rows = _tile_heads(q.shape[1] // k_cache.shape[1], fold_heads) * ROW_TILE
     auto_block, auto_stages = split_tiles(rows, d, jnp.dtype(q.dtype).itemsize)
-    block_k = auto_block if block_k is None else block_k
+    block_k = attention_ws.BLOCK_K if mosaic else auto_block if block_k is None else block_k
     num_stages = auto_stages if num_stages is None else num_stages
     splits = Splits(split, far_split, far_from) if far_split else Splits(split, split, 0)
     _check_tiles(d, k_cache.shape[0], block_k, splits, combine_rows, combine_chunk)
@@ -306,6 +317,7 @@ def attention(
         combine_chunk=combine_chunk,
         combine_warps=combine_warps,
         combine_stages=combine_stages,
+        mosaic=mosaic,
     )
     return out[:m]
 
@@ -324,6 +336,7 @@ def attention(
         "combine_chunk",
         "combine_warps",
         "combine_stages",
+        "mosaic",
     ),
 )
 def _attention_tile(
@@ -343,21 +356,25 @@ def _attention_tile(
     combine_chunk,
     combine_warps,
     combine_stages,
+    mosaic,
 ):
     """q [ROW_TILE, Hq, D] (rows padded), start_arr int32 [1] -> [ROW_TILE, Hq, D] in q.dtype."""
-    parts = split_partials(
-        q,
-        k_cache,
-        v_cache,
-        start_arr,
-        scale=scale,
-        interpret=interpret,
-        fold_heads=fold_heads,
-        block_k=block_k,
-        splits=splits,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    if mosaic:
+        parts = attention_ws.split_partials(q, k_cache, v_cache, start_arr, scale=scale, splits=splits)
+    else:
+        parts = split_partials(
+            q,
+            k_cache,
+            v_cache,
+            start_arr,
+            scale=scale,
+            interpret=interpret,
+            fold_heads=fold_heads,
+            block_k=block_k,
+            splits=splits,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
     return combine(
         start_arr,
         *parts,
