@@ -294,10 +294,14 @@ def attention(
             f"the Mosaic GPU attention kernel takes bfloat16 caches with head_dim 64, 128 or 256 on the GPU, got "
             f"{q.dtype} head_dim {d}{' in interpret mode' if interpret else ''}"
         )
-    rows = _tile_heads(q.shape[1] // k_cache.shape[1], fold_heads) * ROW_TILE
-    auto_block, auto_stages = split_tiles(rows, d, jnp.dtype(q.dtype).itemsize)
-    block_k = attention_ws.BLOCK_K if mosaic else auto_block if block_k is None else block_k
-    num_stages = auto_stages if num_stages is None else num_stages
+    if mosaic:
+        block_k = block_k or attention_ws.BLOCK_K
+        num_stages = num_stages or attention_ws.stages(block_k, d)
+    else:
+        rows = _tile_heads(q.shape[1] // k_cache.shape[1], fold_heads) * ROW_TILE
+        auto_block, auto_stages = split_tiles(rows, d, jnp.dtype(q.dtype).itemsize)
+        block_k = block_k or auto_block
+        num_stages = num_stages or auto_stages
     splits = Splits(split, far_split, far_from) if far_split else Splits(split, split, 0)
     _check_tiles(d, k_cache.shape[0], block_k, splits, combine_rows, combine_chunk)
     m = q.shape[0]
@@ -360,7 +364,9 @@ def _attention_tile(
 ):
     """q [ROW_TILE, Hq, D] (rows padded), start_arr int32 [1] -> [ROW_TILE, Hq, D] in q.dtype."""
     if mosaic:
-        parts = attention_ws.split_partials(q, k_cache, v_cache, start_arr, scale=scale, splits=splits)
+        parts = attention_ws.split_partials(
+            q, k_cache, v_cache, start_arr, scale=scale, splits=splits, block_k=block_k, ring=num_stages
+        )
     else:
         parts = split_partials(
             q,

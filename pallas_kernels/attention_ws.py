@@ -23,13 +23,13 @@ from jax.experimental import pallas as pl
 from pallas_kernels.backend import ROW_TILE
 
 WG_ROWS = 64  # query rows per consumer warpgroup (the wgmma M)
-BLOCK_K = 64  # cache positions per pipeline step
+BLOCK_K = 64  # cache positions per pipeline step (default)
 _LOG2E = math.log2(math.e)
 
 
-def stages(head_dim: int) -> int:
-    """Ring depth: K and V blocks of BLOCK_K x head_dim bf16 each, within the shared memory left by the q tile."""
-    return 4 if head_dim <= 128 else 2
+def stages(block_k: int, head_dim: int) -> int:
+    """Ring depth: 4 for K and V blocks of up to 64 x 128 bf16 each, else 2 (shared memory, with the q tile)."""
+    return 4 if block_k * head_dim <= 64 * 128 else 2
 
 
 def fits(dtype, head_dim: int) -> bool:
@@ -42,11 +42,12 @@ def tile_rows(group: int) -> int:
     return -(-group * ROW_TILE // WG_ROWS) * WG_ROWS
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits"))
-def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits):
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "block_k", "ring"))
+def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ring):
     """q [ROW_TILE, Hq, D] bf16 (rows padded), caches [S, Hkv, D] bf16, start_arr int32 [1] -> partials o
     [Hkv, NS, T, D] bf16, m and l [Hkv, NS, T] float32 (T = tile_rows(group)); splits past start + ROW_TILE - 1
-    are not written. `splits` is the attention_kernel.Splits partition."""
+    are not written. `splits` is the attention_kernel.Splits partition (split sizes multiples of block_k);
+    ring: pipeline depth (`stages` gives the default)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     _, hq, d = q.shape
@@ -56,14 +57,13 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits):
     wgs = min(2, rows // WG_ROWS)
     chunks = rows // (wgs * WG_ROWS)
     n_split = splits.count(s_len)
-    ring = stages(d)
     # [R, Hq, D] -> [Hkv, rows, D]: row g * R + r is tile row r of query head g of the KV head; zero rows after.
     qt = q.reshape(ROW_TILE, hkv, group, d).transpose(1, 2, 0, 3).reshape(hkv, group * ROW_TILE, d)
     qt = jnp.pad(qt, ((0, 0), (0, rows - group * ROW_TILE), (0, 0)))
     tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     c = scale * _LOG2E
 
-    def kernel(start_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, q_smem, ml_smem, q_bar):
+    def jspec_attention_ws(start_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, q_smem, ml_smem, q_bar):
         head, chunk, j = jax.lax.axis_index("h"), jax.lax.axis_index("r"), jax.lax.axis_index("s")
         start = start_gmem[0]
         last = start + ROW_TILE - 1  # the last position any tile row attends
@@ -71,8 +71,8 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits):
 
         @pl.when(first <= last)
         def _():
-            n_blocks = jnp.minimum(jax.lax.div(last - first, BLOCK_K) + 1, splits.blocks(j, BLOCK_K))
-            first_block = jax.lax.div(first, BLOCK_K)
+            n_blocks = jnp.minimum(jax.lax.div(last - first, block_k) + 1, splits.blocks(j, block_k))
+            first_block = jax.lax.div(first, block_k)
 
             def block(b):
                 return first_block + b, head
@@ -80,13 +80,13 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits):
             def body(idx, k_smem, v_smem, carry):
                 acc, m, den = carry
                 wg = jax.lax.axis_index("wg")
-                base = first + idx[0] * BLOCK_K
+                base = first + idx[0] * block_k
 
                 def qk(s_ref):
                     plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.transpose((1, 0)))
                     return s_ref[...]
 
-                s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, BLOCK_K), jnp.float32))
+                s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, block_k), jnp.float32))
                 row = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
                 col = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
                 s = jnp.where(base + col <= start + jax.lax.rem(row, ROW_TILE), s * c, -jnp.inf)
@@ -131,8 +131,8 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits):
                 grid=(n_blocks,),
                 memory_registers=40,
                 in_specs=[
-                    plgpu.BlockSpec((BLOCK_K, d), block, transforms=tf),
-                    plgpu.BlockSpec((BLOCK_K, d), block, transforms=tf),
+                    plgpu.BlockSpec((block_k, d), block, transforms=tf),
+                    plgpu.BlockSpec((block_k, d), block, transforms=tf),
                 ],
                 wg_axis="wg",
                 num_compute_wgs=wgs,
@@ -146,7 +146,7 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits):
         jax.ShapeDtypeStruct((hkv, n_split, rows), jnp.float32),
     )
     return plgpu.kernel(
-        kernel,
+        jspec_attention_ws,
         out_type=out_type,
         grid=(hkv, chunks, n_split),
         grid_names=("h", "r", "s"),
