@@ -1,4 +1,5 @@
-"""Pallas decode/verify attention (pallas_kernels/attention_kernel.py) in interpret mode on CPU.
+"""Pallas decode/verify attention (pallas_kernels/attention_kernel.py) in interpret mode on CPU, and its Mosaic GPU
+split kernel (pallas_kernels/attention_ws.py: cross-lowered on jax >= 0.11, run when a GPU is present).
 
 Row exactness (DESIGN 2.2): row r of a call with M rows at `start` is bit-identical to the M=1 call at position
 start + r, for every M in 1..ROW_TILE, across block and split boundaries, with different stale data past each
@@ -15,10 +16,13 @@ import numpy as np
 import pytest
 
 from jspec.exactness import bits
-from pallas_kernels import ROW_TILE, attention_kernel, use_backend
+from pallas_kernels import ROW_TILE, attention_kernel, attention_ws, use_backend
 from pallas_kernels import attention as dispatch_attention
 from pallas_kernels.attention import reference_attention
 
+ON_GPU = jax.default_backend() == "gpu"
+# The Mosaic GPU kernel is written against the API of jax >= 0.11 (the GPU's); older jax cannot trace it.
+MOSAIC_TRACES = tuple(int(part) for part in jax.__version__.split(".")[:2]) >= (0, 11)
 S, HQ, HKV, D = 1024, 8, 2, 64  # default partition: blocks of 64, splits of 128 (512 from position 1024 on)
 SCALE = D**-0.5
 
@@ -39,17 +43,18 @@ def _with_stale(cache, start, m, seed):
     return jnp.where(stale, noise.astype(cache.dtype), cache)
 
 
-def _call(q_hist, k_hist, v_hist, start, m, seed, **kw):
+def _call(q_hist, k_hist, v_hist, start, m, seed, interpret=True, **kw):
     """attention on rows start..start+m-1 of the history, with call-specific stale data past them."""
     k = _with_stale(k_hist, start, m, seed)
     v = _with_stale(v_hist, start, m, seed + 1)
     q = q_hist[start : start + m]
-    return np.asarray(attention_kernel.attention(q, k, v, jnp.int32(start), scale=SCALE, interpret=True, **kw))
+    scale = q.shape[-1] ** -0.5
+    return np.asarray(attention_kernel.attention(q, k, v, jnp.int32(start), scale=scale, interpret=interpret, **kw))
 
 
-def _check_rows_exact(dtype, positions, ms, s_len=S, hq=HQ, d=D, **kw):
+def _check_rows_exact(dtype, positions, ms, s_len=S, hq=HQ, hkv=HKV, d=D, **kw):
     """Every row of every (M, start) call covering `positions` equals the M=1 call at that row's position."""
-    q_hist, k_hist, v_hist = _history(dtype, s_len=s_len, hq=hq, d=d)
+    q_hist, k_hist, v_hist = _history(dtype, s_len=s_len, hq=hq, hkv=hkv, d=d)
     decode = {t: _call(q_hist, k_hist, v_hist, t, 1, seed=1000 + t, **kw)[0] for t in positions}
     lo, hi = min(positions), max(positions)
     for m in ms:
@@ -142,14 +147,54 @@ def test_dispatch_uses_kernel_in_interpret_backend():
     assert np.array_equal(bits(direct), bits(routed))
 
 
-@pytest.mark.parametrize("splits", [{}, dict(split=256, far_split=1024, far_from=1024)])
-def test_lowers_for_gpu(splits):
-    """The compiled (Triton) path lowers for CUDA on a CPU-only machine: both kernels become Triton calls."""
+def _lowered_for_cuda(**kw) -> str:
+    """The compiled path for the 14B shape (40 / 8 heads, head_dim 128, bf16), lowered for CUDA on this machine."""
     shapes = [((16, 40, 128), jnp.bfloat16), ((2048, 8, 128), jnp.bfloat16), ((2048, 8, 128), jnp.bfloat16)]
     args = [jax.ShapeDtypeStruct(s, t) for s, t in shapes] + [jax.ShapeDtypeStruct((), jnp.int32)]
-    fn = jax.jit(functools.partial(attention_kernel.attention, scale=128**-0.5, interpret=False, **splits))
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("triton") >= 2
+    fn = jax.jit(functools.partial(attention_kernel.attention, scale=128**-0.5, interpret=False, **kw))
+    return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("splits", [{}, dict(split=256, far_split=1024, far_from=1024)])
+def test_lowers_for_gpu(splits):
+    """The Triton path lowers for CUDA on a CPU-only machine: both kernels become Triton calls."""
+    assert _lowered_for_cuda(mosaic=False, **splits).count("triton") >= 2
+
+
+@pytest.mark.skipif(not MOSAIC_TRACES, reason="the Mosaic GPU kernel traces on jax >= 0.11 only")
+def test_mosaic_split_kernel_is_the_gpu_default_and_lowers():
+    """Compiled bf16 attention traces to the Mosaic GPU split kernel (then the Triton combine), and that kernel
+    lowers for CUDA on this machine for tiles of 1, 2 and 2 x 2 warpgroups and head_dim 64 / 128 / 256."""
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(16, 40, 128), (2048, 8, 128), (2048, 8, 128)]]
+    fn = functools.partial(attention_kernel.attention, scale=128**-0.5, interpret=False)
+    jaxpr = str(jax.make_jaxpr(fn)(*args, jnp.int32(0)))
+    assert "jspec_attention_ws" in jaxpr and "jspec_attention_combine" in jaxpr
+    assert "jspec_attention_split" not in jaxpr
+    splits = attention_kernel.Splits(attention_kernel.NEAR_SPLIT, attention_kernel.SPLIT, attention_kernel.NEAR_UNTIL)
+    for hq, hkv, d in [(8, 2, 64), (40, 8, 128), (32, 2, 128), (16, 2, 256)]:
+        args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(ROW_TILE, hq, d), (2048, hkv, d), (2048, hkv, d)]]
+        kernel = functools.partial(
+            attention_ws.split_partials, scale=d**-0.5, splits=splits, block_k=64, ring=attention_ws.stages(64, d)
+        )
+        text = jax.jit(kernel).trace(*args, jax.ShapeDtypeStruct((1,), jnp.int32)).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in text.as_text()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
+@pytest.mark.parametrize("hq, hkv, d", [(8, 2, 64), (40, 8, 128), (28, 4, 128), (32, 2, 128), (16, 2, 256)])
+def test_gpu_mosaic_rows_exact_across_the_split_boundary(hq, hkv, d):
+    """Query tiles of 1 (64 rows), 2 (80 / 112 rows padded to 128) and 2 x 2 (256 rows) warpgroups; positions
+    1017..1031 cross the near / far split boundary at 1024 and a block boundary, every M in 1..16."""
+    positions = list(range(attention_kernel.NEAR_UNTIL - 7, attention_kernel.NEAR_UNTIL + 8))
+    _check_rows_exact(
+        jnp.bfloat16, positions, range(1, ROW_TILE + 1), s_len=1280, hq=hq, hkv=hkv, d=d, interpret=False, mosaic=True
+    )
+    q_hist, k_hist, v_hist = _history(jnp.bfloat16, s_len=1280, hq=hq, hkv=hkv, d=d)
+    for start in (0, 61, 1020):
+        q = q_hist[start : start + ROW_TILE]
+        out = attention_kernel.attention(q, k_hist, v_hist, jnp.int32(start), scale=d**-0.5, interpret=False)
+        ref = reference_attention(q, k_hist, v_hist, jnp.int32(start), scale=d**-0.5)
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize(
@@ -161,13 +206,16 @@ def test_lowers_for_gpu(splits):
         ((4, 8, 64), (1000, 2, 64), jnp.float32, "cache length"),
         ((4, 8, 64), (1024, 2, 64), jnp.float16, "dtype"),
         ((4, 8, 48), (1024, 2, 48), jnp.float32, "powers of 2"),
+        ((4, 8, 64), (1024, 2, 64), jnp.float32, "Mosaic GPU attention kernel takes bfloat16"),
+        ((4, 8, 64), (1024, 2, 64), jnp.bfloat16, "in interpret mode"),
     ],
 )
 def test_rejects_bad_input(q_shape, cache_shape, dtype, match):
     q = jnp.zeros(q_shape, dtype)
     cache = jnp.zeros(cache_shape, dtype)
+    kw = dict(mosaic=True) if "Mosaic" in match or "interpret" in match else {}
     with pytest.raises(ValueError, match=match):
-        attention_kernel.attention(q, cache, cache, jnp.int32(0), scale=1.0, interpret=True)
+        attention_kernel.attention(q, cache, cache, jnp.int32(0), scale=1.0, interpret=True, **kw)
 
 
 def test_split_tiles_fit_the_budget_and_keep_the_measured_default():
