@@ -294,8 +294,9 @@ def attention(
             f"the Mosaic GPU attention kernel takes bfloat16 caches with head_dim 64, 128 or 256 on the GPU, got "
             f"{q.dtype} head_dim {d}{' in interpret mode' if interpret else ''}"
         )
-    if mosaic:  # num_stages None: attention_ws.stages picks the ring depth
+    if mosaic:
         block_k = block_k or attention_ws.BLOCK_K
+        num_stages = num_stages or attention_ws.stages(block_k, d)
     else:
         rows = _tile_heads(q.shape[1] // k_cache.shape[1], fold_heads) * ROW_TILE
         auto_block, auto_stages = split_tiles(rows, d, jnp.dtype(q.dtype).itemsize)

@@ -27,9 +27,9 @@ BLOCK_K = 64  # cache positions per pipeline step (default)
 _LOG2E = math.log2(math.e)
 
 
-def stages(positions: int, head_dim: int) -> int:
-    """Ring depth: 4 for K and V blocks of up to 64 x 128 bf16 positions x head_dim each, else 2 (shared memory)."""
-    return 4 if positions * head_dim <= 64 * 128 else 2
+def stages(block_k: int, head_dim: int) -> int:
+    """Ring depth: 4 for K and V blocks of up to 64 x 128 bf16 each, else 2 (shared memory, with the q tile)."""
+    return 4 if block_k * head_dim <= 64 * 128 else 2
 
 
 def fits(dtype, head_dim: int) -> bool:
@@ -42,23 +42,11 @@ def tile_rows(group: int) -> int:
     return -(-group * ROW_TILE // WG_ROWS) * WG_ROWS
 
 
-def halves(group: int, head_dim: int) -> bool:
-    """Whether the two consumer warpgroups share one 64-row query tile and split the cache blocks instead (group
-    <= 4 and head_dim <= 128, where two blocks per step fit shared memory): warpgroup w takes block 2 i + w of
-    step i, a function of absolute position, and the two online-softmax states are merged at the end."""
-    return tile_rows(group) == WG_ROWS and head_dim <= 128
-
-
-def step_positions(group: int, head_dim: int, block_k: int) -> int:
-    """Cache positions per pipeline step: two blocks when the warpgroups split them (`halves`), else one."""
-    return 2 * block_k if halves(group, head_dim) else block_k
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "block_k", "ring"))
 def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ring):
     """q [ROW_TILE, Hq, D] bf16 (rows padded), caches [S, Hkv, D] bf16, start_arr int32 [1] -> partials o
     [Hkv, NS, T, D] bf16, m and l [Hkv, NS, T] float32 (T = tile_rows(group)); splits past start + ROW_TILE - 1
-    are not written. `splits` is the attention_kernel.Splits partition (split sizes multiples of `step_positions`);
+    are not written. `splits` is the attention_kernel.Splits partition (split sizes multiples of block_k);
     ring: pipeline depth (`stages` gives the default)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -66,23 +54,16 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
     s_len, hkv, _ = k_cache.shape
     group = hq // hkv
     rows = tile_rows(group)
-    split_blocks = halves(group, d)  # both warpgroups on one row tile, each on every other block
-    unit = step_positions(group, d, block_k)
-    if splits.size % unit or splits.far_size % unit:
-        raise ValueError(f"split sizes {splits.size}, {splits.far_size} must be multiples of {unit} positions")
-    row_wgs = 1 if split_blocks else min(2, rows // WG_ROWS)  # row tiles of WG_ROWS per CTA
-    wgs = 2 if split_blocks else row_wgs
-    chunks = rows // (row_wgs * WG_ROWS)
+    wgs = min(2, rows // WG_ROWS)
+    chunks = rows // (wgs * WG_ROWS)
     n_split = splits.count(s_len)
     # [R, Hq, D] -> [Hkv, rows, D]: row g * R + r is tile row r of query head g of the KV head; zero rows after.
     qt = q.reshape(ROW_TILE, hkv, group, d).transpose(1, 2, 0, 3).reshape(hkv, group * ROW_TILE, d)
     qt = jnp.pad(qt, ((0, 0), (0, rows - group * ROW_TILE), (0, 0)))
     tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    tf32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))  # float32 [64, d], 128-byte rows
     c = scale * _LOG2E
-    reduced = plgpu.Layout.WGMMA.reduce(1)
 
-    def jspec_attention_ws(start_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, q_smem, ml_smem, bars, *merge):
+    def jspec_attention_ws(start_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, q_smem, ml_smem, q_bar):
         head, chunk, j = jax.lax.axis_index("h"), jax.lax.axis_index("r"), jax.lax.axis_index("s")
         start = start_gmem[0]
         last = start + ROW_TILE - 1  # the last position any tile row attends
@@ -90,19 +71,16 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
 
         @pl.when(first <= last)
         def _():
-            n_steps = jnp.minimum(jax.lax.div(last - first, unit) + 1, splits.blocks(j, unit))
-            first_step = jax.lax.div(first, unit)
+            n_blocks = jnp.minimum(jax.lax.div(last - first, block_k) + 1, splits.blocks(j, block_k))
+            first_block = jax.lax.div(first, block_k)
 
-            def step(i):
-                return first_step + i, head
+            def block(b):
+                return first_block + b, head
 
             def body(idx, k_smem, v_smem, carry):
                 acc, m, den = carry
                 wg = jax.lax.axis_index("wg")
-                base = first + idx[0] * unit
-                if split_blocks:  # this warpgroup's block of the step
-                    base = base + wg * block_k
-                    k_smem, v_smem = (ref.at[pl.ds(wg * block_k, block_k)] for ref in (k_smem, v_smem))
+                base = first + idx[0] * block_k
 
                 def qk(s_ref):
                     plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.transpose((1, 0)))
@@ -125,9 +103,19 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 return acc, m_new, den
 
-            def write(acc, m, den, wg, row0):
-                """The partial of WG_ROWS rows: out = acc / den (0 where nothing was visible), m, den."""
-                inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
+            def compute_context(eval_pipeline):
+                wg = jax.lax.axis_index("wg")
+                row0 = (chunk * wgs + wg) * WG_ROWS
+                plgpu.copy_gmem_to_smem(q_gmem.at[head, pl.ds(row0, WG_ROWS)], q_smem.at[wg], q_bar.at[wg])
+                plgpu.barrier_wait(q_bar.at[wg])
+                reduced = plgpu.Layout.WGMMA.reduce(1)
+                init = (
+                    plgpu.layout_cast(jnp.zeros((WG_ROWS, d), jnp.float32), plgpu.Layout.WGMMA),
+                    plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), reduced),
+                    plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), reduced),
+                )
+                acc, m, den = eval_pipeline(init)
+                inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)  # nothing visible: out = 0
                 q_smem.at[wg][...] = (acc * jax.lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
                 ml_smem.at[wg, 0][...] = m
                 ml_smem.at[wg, 1][...] = den
@@ -138,59 +126,17 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
                 plgpu.copy_smem_to_gmem(ml_smem.at[wg, 1], l_gmem.at[head, j, rows_out])
                 plgpu.wait_smem_to_gmem(0)
 
-            def merge_and_write(acc, m, den, row0):
-                """Warpgroup 1 hands its state to warpgroup 0, which merges the two (max first, then one weighted
-                sum, warpgroup 0's term first; a state that saw nothing has weight exactly 0) and writes."""
-                acc_smem, merge_bar = merge
-                wg = jax.lax.axis_index("wg")
-
-                @pl.when(wg == 1)
-                def _():
-                    acc_smem[...] = acc
-                    ml_smem.at[1, 0][...] = m
-                    ml_smem.at[1, 1][...] = den
-                    plgpu.barrier_arrive(merge_bar)
-
-                @pl.when(wg == 0)
-                def _():
-                    plgpu.barrier_wait(merge_bar)
-                    acc1 = plgpu.load(acc_smem, layout=plgpu.Layout.WGMMA)
-                    m1 = plgpu.load(ml_smem.at[1, 0], layout=reduced)
-                    den1 = plgpu.load(ml_smem.at[1, 1], layout=reduced)
-                    top = jnp.maximum(m, m1)
-                    top_use = jnp.where(top == -jnp.inf, 0.0, top)
-                    w0, w1 = jnp.exp2(m - top_use), jnp.exp2(m1 - top_use)
-                    merged = acc * jax.lax.broadcast_in_dim(w0, acc.shape, [0])
-                    merged = merged + acc1 * jax.lax.broadcast_in_dim(w1, acc.shape, [0])
-                    write(merged, top, den * w0 + den1 * w1, 0, row0)
-
-            def compute_context(eval_pipeline):
-                wg = jax.lax.axis_index("wg")
-                row0 = (chunk * row_wgs + (0 if split_blocks else wg)) * WG_ROWS
-                plgpu.copy_gmem_to_smem(q_gmem.at[head, pl.ds(row0, WG_ROWS)], q_smem.at[wg], bars.at[wg])
-                plgpu.barrier_wait(bars.at[wg])
-                init = (
-                    plgpu.layout_cast(jnp.zeros((WG_ROWS, d), jnp.float32), plgpu.Layout.WGMMA),
-                    plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), reduced),
-                    plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), reduced),
-                )
-                acc, m, den = eval_pipeline(init)
-                if split_blocks:
-                    merge_and_write(acc, m, den, row0)
-                else:
-                    write(acc, m, den, wg, row0)
-
             plgpu.emit_pipeline_warp_specialized(
                 body,
-                grid=(n_steps,),
+                grid=(n_blocks,),
                 memory_registers=40,
                 in_specs=[
-                    plgpu.BlockSpec((unit, d), step, transforms=tf),
-                    plgpu.BlockSpec((unit, d), step, transforms=tf),
+                    plgpu.BlockSpec((block_k, d), block, transforms=tf),
+                    plgpu.BlockSpec((block_k, d), block, transforms=tf),
                 ],
                 wg_axis="wg",
                 num_compute_wgs=wgs,
-                max_concurrent_steps=ring or stages(unit, d),
+                max_concurrent_steps=ring,
                 compute_context=compute_context,
             )(k_gmem, v_gmem)
 
@@ -206,13 +152,10 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
         grid_names=("h", "r", "s"),
         num_threads=wgs + 1,
         thread_name="wg",
-        scratch_types=(
-            plgpu.SMEM((wgs, WG_ROWS, d), jnp.bfloat16, transforms=tf),  # q tiles, then the bf16 partials
-            plgpu.SMEM((wgs, 2, WG_ROWS), jnp.float32),  # m, l
-            plgpu.Barrier(num_barriers=wgs),  # q loaded
-            *(
-                (plgpu.SMEM((WG_ROWS, d), jnp.float32, transforms=tf32), plgpu.Barrier()) if split_blocks else ()
-            ),  # merge
+        scratch_types=dict(
+            q_smem=plgpu.SMEM((wgs, WG_ROWS, d), jnp.bfloat16, transforms=tf),
+            ml_smem=plgpu.SMEM((wgs, 2, WG_ROWS), jnp.float32),
+            q_bar=plgpu.Barrier(num_barriers=wgs),
         ),
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(start_arr, qt, k_cache.reshape(s_len, hkv * d), v_cache.reshape(s_len, hkv * d))
