@@ -1,6 +1,7 @@
 """Pallas decode/verify attention: row-exact for any number of query rows, flash-decoding over a fixed KV split.
 
-Two kernels (Pallas Triton lowering on GPU, Pallas interpret mode on CPU):
+Two kernels (Pallas Triton lowering on GPU, Pallas interpret mode on CPU; on the GPU the split kernel of bfloat16
+caches is the warp-specialized Mosaic GPU kernel of `attention_ws`, which writes the same partials):
 
 1. `_split_kernel`, grid (kv_heads, number of splits). Program (h, j) takes the query rows of KV head h (the
    `group` query heads that share it, ROW_TILE rows each, stacked into one row tile and padded to a power of 2 of

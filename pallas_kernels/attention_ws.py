@@ -8,7 +8,8 @@ of the query tile, split): a TMA warpgroup streams [block_k, head_dim] K and V b
 query head i // ROW_TILE; rows past the real heads are zero) and runs, per block, S = Q K^T (wgmma, float32),
 the mask and online softmax in registers, and acc += P V (wgmma, P bfloat16 from registers). Blocks past the
 last position any tile row attends are never loaded (the block count is dynamic), and CTAs of splits past it exit
-at once. Per-row arithmetic is the same for every M: the tile is always ROW_TILE rows per head. GPU only.
+at once. Per-row arithmetic is the same for every M: the tile is always ROW_TILE rows per head. GPU only (the
+Pallas Mosaic GPU API of jax >= 0.11).
 """
 
 from __future__ import annotations
