@@ -284,7 +284,8 @@ def attention(
     The partition: splits of `split` positions before position `far_from`, of `far_split` from there (far_split
     None: of `split` everywhere). mosaic: compute the partials with the warp-specialized Mosaic GPU kernel
     (`attention_ws`; GPU, bfloat16, head_dim 64/128/256) instead of the Triton one; None: whenever it fits (not in
-    interpret mode). The split-kernel tuning arguments then do not apply.
+    interpret mode). Of the split kernel's tuning arguments only block_k and num_stages (its ring depth) apply to it
+    (None: `attention_ws.BLOCK_K` and `attention_ws.stages`).
     """
     _check_inputs(q, k_cache, v_cache)
     d = q.shape[-1]
