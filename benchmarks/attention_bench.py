@@ -16,8 +16,9 @@ What it measures, all in one process:
 - Peers on the same shapes: XLA jnp attention (`reference_attention` jitted) and torch SDPA (flash, GQA, lower-right
   causal mask), both on the same caches (torch reads them through DLPack).
 - Effective KV bandwidth = bytes of K and V at positions < context / time per call. Timing: chains of calls inside
-  one jit (each call's query is the previous output, caches rotate so the data read is >= 4x the L2), many
-  asynchronous dispatches, median of several trials; torch through a CUDA graph of the same chain.
+  one jit (each call's query is the previous output, caches rotate so the data read is >= 4x the L2), compiled with
+  the Engine's XLA options (a CUDA graph on the GPU), many asynchronous dispatches, median of several trials; torch
+  through a CUDA graph of the same chain.
 - Exactness: for each context c, every row of calls with M = 1..16 rows at starts covering positions c-8..c+7 (a
   block and split boundary) is compared bit for bit to the M=1 call at that row's position; every call sees its own
   stale data past its rows.
@@ -41,6 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jspec.bench import torch_median  # noqa: E402
+from jspec.engine import compiler_options  # noqa: E402
 from pallas_kernels import ROW_TILE, attention_kernel  # noqa: E402
 from pallas_kernels.attention import reference_attention  # noqa: E402
 
@@ -179,10 +181,11 @@ def chain_plan(st: Setup, context: int):
 
 
 def time_jax_impl(st: Setup, impl, caches, context: int, m: int, chain: int) -> float:
-    """Seconds per attention call of impl(q, k, v, start) in a chain of `chain` dependent calls."""
+    """Seconds per attention call of impl(q, k, v, start) in a chain of `chain` dependent calls, compiled with the
+    XLA options an Engine uses (`jspec.compiler_options()`: on a GPU the chain launches as a CUDA graph, as torch's
+    chain below does)."""
     start = jnp.int32(context - m)
 
-    @jax.jit
     def run(q, caches):
         for i in range(chain):
             k, v = caches[i % len(caches)]
@@ -190,7 +193,8 @@ def time_jax_impl(st: Setup, impl, caches, context: int, m: int, chain: int) -> 
         return q
 
     q0 = jax.random.normal(jax.random.PRNGKey(1), (m, st.hq, st.d), st.dtype)
-    return median_time(lambda: run(q0, caches), st.trials, st.batch) / chain
+    compiled = jax.jit(run).lower(q0, caches).compile(compiler_options=compiler_options())
+    return median_time(lambda: compiled(q0, caches), st.trials, st.batch) / chain
 
 
 def pallas_impl(st: Setup, params: dict):
