@@ -396,6 +396,15 @@ def _attention_tile(
     )
 
 
+def query_tile(q: jax.Array, hkv: int, rows: int) -> jax.Array:
+    """q [ROW_TILE, Hq, D] -> the split kernels' query tiles [Hkv, rows, D]: row g * ROW_TILE + r is tile row r of
+    query head g of the KV head; zero rows after the group's heads, up to `rows`."""
+    _, hq, d = q.shape
+    group = hq // hkv
+    qt = q.reshape(ROW_TILE, hkv, group, d).transpose(1, 2, 0, 3).reshape(hkv, group * ROW_TILE, d)
+    return jnp.pad(qt, ((0, 0), (0, rows - group * ROW_TILE), (0, 0)))
+
+
 def split_partials(
     q, k_cache, v_cache, start_arr, *, scale, interpret, fold_heads, block_k, splits, num_warps, num_stages
 ):
@@ -410,9 +419,7 @@ def split_partials(
     slices = ((0, rows),) if fold_heads else tuple((g * ROW_TILE, ROW_TILE) for g in range(group))
     n_split = splits.count(s_len)
     dtype = q.dtype
-    # [M, Hq, D] -> [Hkv, heads * R, D]: row g * R + r is tile row r of query head g of the KV head.
-    qt = q.reshape(ROW_TILE, hkv, group, d).transpose(1, 2, 0, 3)
-    qt = jnp.pad(qt, ((0, 0), (0, heads - group), (0, 0), (0, 0))).reshape(hkv, rows, d)
+    qt = query_tile(q, hkv, rows)
 
     scalar = pl.BlockSpec((1,), lambda *_: (0,))
     whole_cache = pl.BlockSpec((s_len, hkv, d), lambda h, j: (0, 0, 0))

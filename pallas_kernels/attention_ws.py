@@ -51,6 +51,8 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
     ring: pipeline depth (`stages` gives the default)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    from pallas_kernels.attention_kernel import query_tile  # here: attention_kernel imports this module
+
     _, hq, d = q.shape
     s_len, hkv, _ = k_cache.shape
     group = hq // hkv
@@ -58,9 +60,7 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
     wgs = min(2, rows // WG_ROWS)
     chunks = rows // (wgs * WG_ROWS)
     n_split = splits.count(s_len)
-    # [R, Hq, D] -> [Hkv, rows, D]: row g * R + r is tile row r of query head g of the KV head; zero rows after.
-    qt = q.reshape(ROW_TILE, hkv, group, d).transpose(1, 2, 0, 3).reshape(hkv, group * ROW_TILE, d)
-    qt = jnp.pad(qt, ((0, 0), (0, rows - group * ROW_TILE), (0, 0)))
+    qt = query_tile(q, hkv, rows)
     tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     c = scale * _LOG2E
 

@@ -19,10 +19,9 @@ from jspec.exactness import bits
 from pallas_kernels import ROW_TILE, attention_kernel, attention_ws, use_backend
 from pallas_kernels import attention as dispatch_attention
 from pallas_kernels.attention import reference_attention
+from tests.tiny import MOSAIC_GPU_TRACES
 
 ON_GPU = jax.default_backend() == "gpu"
-# The Mosaic GPU kernel is written against the API of jax >= 0.11 (the GPU's); older jax cannot trace it.
-MOSAIC_TRACES = tuple(int(part) for part in jax.__version__.split(".")[:2]) >= (0, 11)
 S, HQ, HKV, D = 1024, 8, 2, 64  # default partition: blocks of 64, splits of 128 (512 from position 1024 on)
 SCALE = D**-0.5
 
@@ -161,7 +160,7 @@ def test_lowers_for_gpu(splits):
     assert _lowered_for_cuda(mosaic=False, **splits).count("triton") >= 2
 
 
-@pytest.mark.skipif(not MOSAIC_TRACES, reason="the Mosaic GPU kernel traces on jax >= 0.11 only")
+@pytest.mark.skipif(not MOSAIC_GPU_TRACES, reason="the Mosaic GPU kernel traces on jax >= 0.11 only")
 def test_mosaic_split_kernel_is_the_gpu_default_and_lowers():
     """Compiled bf16 attention traces to the Mosaic GPU split kernel (then the Triton combine), and that kernel
     lowers for CUDA on this machine for tiles of 1, 2 and 2 x 2 warpgroups and head_dim 64 / 128 / 256."""

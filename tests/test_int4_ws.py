@@ -14,11 +14,9 @@ from pallas_kernels import backend, int4_ws
 from pallas_kernels.int4 import Int4Weight, dequantize, quantize, unpack_codes
 from pallas_kernels.int4_ws import Int4Codes, prepare_codes, to_int4_weight
 from pallas_kernels.matmul import Int4Halves, linear, prepare_ws, ws_prep_nbytes
-from tests.tiny import tiny_config, tiny_params
+from tests.tiny import MOSAIC_GPU_TRACES, tiny_config, tiny_params
 
 ON_GPU = jax.default_backend() == "gpu"
-# The kernel is written against the Mosaic GPU API of jax >= 0.11 (the GPU's); older jax cannot trace it.
-KERNEL_TRACES = tuple(int(part) for part in jax.__version__.split(".")[:2]) >= (0, 11)
 
 
 def _weight(k, n, seed=0, symmetric=True):
@@ -144,7 +142,7 @@ def _primitives(jaxpr):
             yield from _primitives(sub)
 
 
-@pytest.mark.skipif(not KERNEL_TRACES, reason="the kernel needs the Mosaic GPU API of jax >= 0.11")
+@pytest.mark.skipif(not MOSAIC_GPU_TRACES, reason="the kernel needs the Mosaic GPU API of jax >= 0.11")
 def test_kernel_index_arithmetic_has_no_floor_division_sign_corrections():
     # jnp's // and % on the kernel's int32 indices add sign corrections, and Mosaic GPU asks ptxas for its version
     # (a process, ~7 ms) for each of their boolean conversions: on the H200 that was 8 of the 11 s it took to lower

@@ -1,4 +1,4 @@
-"""Tiny native models and test-only drafters shared by the tests (no HuggingFace needed)."""
+"""Tiny native models and test-only drafters shared by the tests (no HuggingFace needed); which kernels jax traces."""
 
 from __future__ import annotations
 
@@ -9,6 +9,10 @@ import jax.numpy as jnp
 
 from jspec.config import ModelConfig, RopeConfig
 from jspec.models import dense
+
+# The Mosaic GPU kernels (int4_ws, attention_ws) are written against the API of jax >= 0.11 (the GPU's); older jax
+# cannot trace them.
+MOSAIC_GPU_TRACES = tuple(int(part) for part in jax.__version__.split(".")[:2]) >= (0, 11)
 
 
 def tiny_config(family: str = "qwen2", **overrides) -> ModelConfig:
