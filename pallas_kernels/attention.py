@@ -13,23 +13,30 @@ import jax.numpy as jnp
 from pallas_kernels import backend as _backend
 
 
-def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array, *, scale: float) -> jax.Array:
+def attention(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array, *, scale: float, rows: int | None = None
+) -> jax.Array:
     """q [M <= ROW_TILE, Hq, D] at positions start..start+M-1; caches [S, Hkv, D]; -> [M, Hq, D] in q.dtype.
 
     Row r attends cache positions 0..start+r (the caller has written rows start..start+M-1 already).
     GQA: query head h uses KV head h // (Hq // Hkv). Softmax statistics in float32.
+    rows (static, default M): only rows 0..rows-1 are queries (a row tile's valid rows); the output's rows from
+    `rows` on are zero, and a kernel may skip them.
     """
     m, hq, _ = q.shape
     if m > _backend.ROW_TILE:
         raise ValueError(f"attention takes at most {_backend.ROW_TILE} query rows, got {m}")
+    if rows is not None and not 1 <= rows <= m:
+        raise ValueError(f"attention: rows={rows} valid rows must be in 1..{m} (the query rows given)")
     if hq % k_cache.shape[1]:
         raise ValueError(f"query heads {hq} not a multiple of KV heads {k_cache.shape[1]}")
     name = _backend.get_backend()
     if name == "reference":
-        return reference_attention(q, k_cache, v_cache, start, scale=scale)
+        out = reference_attention(q, k_cache, v_cache, start, scale=scale)
+        return out if rows is None else jnp.where((jnp.arange(m) < rows)[:, None, None], out, 0).astype(out.dtype)
     from pallas_kernels import attention_kernel
 
-    return attention_kernel.attention(q, k_cache, v_cache, start, scale=scale, interpret=name == "interpret")
+    return attention_kernel.attention(q, k_cache, v_cache, start, scale=scale, interpret=name == "interpret", rows=rows)
 
 
 def reference_attention(q, k_cache, v_cache, start, *, scale: float) -> jax.Array:

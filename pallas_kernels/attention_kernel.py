@@ -12,11 +12,14 @@ caches is the warp-specialized Mosaic GPU kernel of `attention_ws`, which writes
    that position are not visited.
 2. `_combine_kernel`, grid (q_heads, ROW_TILE // combine_rows): merges the live splits' partials of each row in one
    pass (global max of m first, then one weighted sum in ascending split order, `combine_chunk` splits per step, no
-   rescaling) and writes [R, Hq, D].
+   rescaling) and writes [ROW_TILE, Hq, D]; its row groups past the computed rows, and rows past the valid ones,
+   are written as zeros.
 
 Why row r is bit-identical for every M and every start that keep its position t = start + r (DESIGN 2.2):
-- Rows are padded to ROW_TILE, so every call runs the same kernels on the same shapes; no XLA op touches the
-  partials (the combine is a kernel), and the only op after it is the slice to M rows.
+- The Triton split kernel pads rows to ROW_TILE, so every call runs it on the same shapes. The Mosaic GPU one pads
+  them to an even count R per head: every wgmma there is 64 rows whatever they hold, and a row's own instructions
+  do not depend on its slot (attention_ws). The combine's programs are combine_rows rows each whatever R is. No XLA
+  op touches the partials (the combine is a kernel), and the only op after it is the slice to M rows.
 - The partition (block_k, split) is a function of absolute position only. Row r's arithmetic on a block or split
   depends only on its query row, the cache rows <= t and its own mask.
 - What a call may add beyond t is exactly neutral: a block fully past t has scores -inf, so the running max is
@@ -162,8 +165,10 @@ def _split_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale,
             l_ref[pl.ds(lo, n)] = den
 
 
-def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, splits, chunk):
+def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, splits, chunk, live_groups, valid_rows):
     """One (query head, row group) program. o_ref [NS, RC, D]; m_ref/l_ref [NS, RC] float32; out_ref [RC, D].
+    Row groups from `live_groups` on were not computed by the split kernel and rows from `valid_rows` on are no
+    query rows: both are written as zeros (a select on the finished rows, so a computed row's bits do not change).
 
     One pass, no rescaling chain: first the max M over the live splits' m (order-free, so exact), then
     num = sum_i exp2(m_i - M) * l_i * o_i and den = sum_i exp2(m_i - M) * l_i over the live splits in ascending
@@ -171,6 +176,22 @@ def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, splits, chunk):
     depend on each other. Splits >= live were never computed (their partials are garbage): their loads are masked
     to m = -inf, l = 0, o = 0 (never read), so they add exact zeros, as does a live split a row sees nothing of.
     """
+    group_index = pl.program_id(1)
+    rows, d = out_ref.shape
+
+    @pl.when(group_index >= live_groups)
+    def _():
+        out_ref[...] = jnp.zeros((rows, d), out_ref.dtype)
+
+    @pl.when(group_index < live_groups)
+    def _():
+        row = group_index * rows + jnp.arange(rows, dtype=jnp.int32)
+        out = _combine_rows(start_ref, o_ref, m_ref, l_ref, splits=splits, chunk=chunk)
+        out_ref[...] = jnp.where((row < valid_rows)[:, None], out, 0.0).astype(out_ref.dtype)
+
+
+def _combine_rows(start_ref, o_ref, m_ref, l_ref, *, splits, chunk):
+    """The merged rows [RC, D] float32 of one combine program (refs as in `_combine_kernel`)."""
     live = splits.live(start_ref[0] + ROW_TILE - 1)  # splits 0..live-1 were computed
     steps = (live + chunk - 1) // chunk
     lane = jnp.arange(chunk, dtype=jnp.int32)
@@ -182,7 +203,7 @@ def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, splits, chunk):
             ref.at[pl.ds(ci * chunk, chunk)], mask=jnp.broadcast_to(ok, shape), other=jnp.full(shape, fill, ref.dtype)
         )
 
-    rows, d = out_ref.shape
+    rows, d = o_ref.shape[1:]
     top = jax.lax.fori_loop(
         0,
         steps,
@@ -198,7 +219,7 @@ def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, splits, chunk):
 
     init = (jnp.zeros((rows, d), jnp.float32), jnp.zeros((rows,), jnp.float32))
     num, den = jax.lax.fori_loop(0, steps, step, init)
-    out_ref[...] = (num * (1.0 / den)[:, None]).astype(out_ref.dtype)
+    return num * (1.0 / den)[:, None]
 
 
 def split_tiles(rows: int, head_dim: int, itemsize: int) -> tuple[int, int]:
@@ -261,6 +282,7 @@ def attention(
     *,
     scale: float,
     interpret: bool,
+    rows: int | None = None,
     fold_heads: bool = FOLD_HEADS,
     block_k: int | None = None,
     split: int = NEAR_SPLIT,
@@ -277,6 +299,10 @@ def attention(
     """q [M <= ROW_TILE, Hq, D] at positions start..start+M-1 (start: int32 scalar, may be traced); caches
     [S, Hkv, D] in q.dtype (float32 or bfloat16) -> [M, Hq, D] in q.dtype.
 
+    rows (static, default M): only q rows 0..rows-1 are queries (a row tile's valid rows); the output's rows from
+    `rows` on are zero. The Mosaic GPU split kernel computes ceil(rows / combine_rows) * combine_rows rows per
+    head (a decode call one warpgroup, where a full tile of 5 heads x 16 rows takes two); the Triton one always
+    ROW_TILE. Row r < rows is bit-identical for every M and every rows > r.
     Row r attends cache positions 0..start+r; the caller guarantees start + ROW_TILE <= S (positions past
     start + ROW_TILE - 1 may hold stale finite data; blocks past the one holding start + ROW_TILE - 1 are never
     read). GQA: query head h uses KV head h // (Hq // Hkv). The tuning arguments change the bits (never the row
@@ -288,7 +314,10 @@ def attention(
     (None: `attention_ws.BLOCK_K` and `attention_ws.stages`).
     """
     _check_inputs(q, k_cache, v_cache)
-    d = q.shape[-1]
+    m, _, d = q.shape
+    rows = m if rows is None else rows
+    if not 1 <= rows <= m:
+        raise ValueError(f"attention: rows={rows} valid rows must be in 1..{m} (the query rows given)")
     if mosaic is None:
         mosaic = not interpret and attention_ws.fits(q.dtype, d)
     elif mosaic and (interpret or not attention_ws.fits(q.dtype, d)):
@@ -300,15 +329,15 @@ def attention(
         block_k = block_k or attention_ws.BLOCK_K
         num_stages = num_stages or attention_ws.stages(block_k, d)
     else:
-        rows = _tile_heads(q.shape[1] // k_cache.shape[1], fold_heads) * ROW_TILE
-        auto_block, auto_stages = split_tiles(rows, d, jnp.dtype(q.dtype).itemsize)
+        tile = _tile_heads(q.shape[1] // k_cache.shape[1], fold_heads) * ROW_TILE
+        auto_block, auto_stages = split_tiles(tile, d, jnp.dtype(q.dtype).itemsize)
         block_k = block_k or auto_block
         num_stages = num_stages or auto_stages
     splits = Splits(split, far_split, far_from) if far_split else Splits(split, split, 0)
     _check_tiles(d, k_cache.shape[0], block_k, splits, combine_rows, combine_chunk)
-    m = q.shape[0]
+    head_rows = -(-rows // combine_rows) * combine_rows if mosaic else ROW_TILE
     out = _attention_tile(
-        jnp.pad(q, ((0, ROW_TILE - m), (0, 0), (0, 0))),
+        jnp.pad(q[:head_rows], ((0, max(0, head_rows - m)), (0, 0), (0, 0))),
         k_cache,
         v_cache,
         jnp.asarray(start, jnp.int32).reshape(1),
@@ -324,6 +353,7 @@ def attention(
         combine_warps=combine_warps,
         combine_stages=combine_stages,
         mosaic=mosaic,
+        rows=rows,
     )
     return out[:m]
 
@@ -343,6 +373,7 @@ def attention(
         "combine_warps",
         "combine_stages",
         "mosaic",
+        "rows",
     ),
 )
 def _attention_tile(
@@ -363,8 +394,10 @@ def _attention_tile(
     combine_warps,
     combine_stages,
     mosaic,
+    rows,
 ):
-    """q [ROW_TILE, Hq, D] (rows padded), start_arr int32 [1] -> [ROW_TILE, Hq, D] in q.dtype."""
+    """q [R, Hq, D] (R rows per head, padded), start_arr int32 [1] -> [ROW_TILE, Hq, D] in q.dtype, rows from
+    `rows` on zero."""
     if mosaic:
         parts = attention_ws.split_partials(
             q, k_cache, v_cache, start_arr, scale=scale, splits=splits, block_k=block_k, ring=num_stages
@@ -387,6 +420,8 @@ def _attention_tile(
         start_arr,
         *parts,
         q_heads=q.shape[1],
+        head_rows=q.shape[0],
+        valid_rows=rows,
         splits=splits,
         interpret=interpret,
         rows=combine_rows,
@@ -397,12 +432,12 @@ def _attention_tile(
 
 
 def query_tile(q: jax.Array, hkv: int, rows: int) -> jax.Array:
-    """q [ROW_TILE, Hq, D] -> the split kernels' query tiles [Hkv, rows, D]: row g * ROW_TILE + r is tile row r of
-    query head g of the KV head; zero rows after the group's heads, up to `rows`."""
-    _, hq, d = q.shape
+    """q [R, Hq, D] -> the split kernels' query tiles [Hkv, rows, D]: row g * R + r is row r of query head g of
+    the KV head; zero rows after the group's heads, up to `rows`."""
+    head_rows, hq, d = q.shape
     group = hq // hkv
-    qt = q.reshape(ROW_TILE, hkv, group, d).transpose(1, 2, 0, 3).reshape(hkv, group * ROW_TILE, d)
-    return jnp.pad(qt, ((0, 0), (0, rows - group * ROW_TILE), (0, 0)))
+    qt = q.reshape(head_rows, hkv, group, d).transpose(1, 2, 0, 3).reshape(hkv, group * head_rows, d)
+    return jnp.pad(qt, ((0, 0), (0, rows - group * head_rows), (0, 0)))
 
 
 def split_partials(
@@ -443,19 +478,23 @@ def split_partials(
     )(start_arr, qt, k_cache, v_cache)
 
 
-def combine(start_arr, o_part, m_part, l_part, *, q_heads, splits, interpret, rows, chunk, warps, stages):
-    """The split kernel's partials o_part [Hkv, NS, T, D] (T = padded heads x R rows), m_part/l_part [Hkv, NS, T]
-    float32 -> [ROW_TILE, q_heads, D] in o_part.dtype. Splits past start_arr[0] + ROW_TILE - 1 are never read."""
+def combine(
+    start_arr, o_part, m_part, l_part, *, q_heads, head_rows, valid_rows, splits, interpret, rows, chunk, warps, stages
+):
+    """The split kernel's partials o_part [Hkv, NS, T, D] (T = padded heads x head_rows rows), m_part/l_part
+    [Hkv, NS, T] float32 -> [ROW_TILE, q_heads, D] in o_part.dtype, rows from valid_rows on zero (`rows` rows per
+    program: a divisor of head_rows). Splits past start_arr[0] + ROW_TILE - 1 are never read."""
     hkv, n_split, _, d = o_part.shape
     group = q_heads // hkv
-    per_head = ROW_TILE // rows
+    per_head = head_rows // rows
 
     def part_index(h, r):
-        return h // group, 0, (h % group) * per_head + r
+        return h // group, 0, (h % group) * per_head + jnp.minimum(r, per_head - 1)
 
+    kernel = functools.partial(_combine_kernel, splits=splits, chunk=chunk, live_groups=per_head, valid_rows=valid_rows)
     return pl.pallas_call(
-        functools.partial(_combine_kernel, splits=splits, chunk=chunk),
-        grid=(q_heads, per_head),
+        kernel,
+        grid=(q_heads, ROW_TILE // rows),
         in_specs=[
             pl.BlockSpec((1,), lambda *_: (0,)),
             pl.BlockSpec((None, n_split, rows, d), lambda h, r: (*part_index(h, r), 0)),

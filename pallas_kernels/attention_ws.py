@@ -4,12 +4,15 @@ It computes the same partials as `attention_kernel._split_kernel` (per KV head a
 exp2 domain, out = acc / l in the cache dtype), and `attention_kernel.combine` merges them, so the partition, the
 combine and the exactness argument (attention_kernel's docstring) are shared. One CTA per (KV head, 128-row chunk
 of the query tile, split): a TMA warpgroup streams [block_k, head_dim] K and V blocks of the split through a
-`stages`-deep ring; each of up to two consumer warpgroups holds 64 query rows (tile row i is row i % ROW_TILE of
-query head i // ROW_TILE; rows past the real heads are zero) and runs, per block, S = Q K^T (wgmma, float32),
+`stages`-deep ring; each of up to two consumer warpgroups holds 64 query rows (tile row i is row i % R of query
+head i // R, R the rows per head of the call; rows past the real heads are zero) and runs, per block, S = Q K^T
+(wgmma, float32),
 the mask and online softmax in registers, and acc += P V (wgmma, P bfloat16 from registers). Blocks past the
 last position any tile row attends are never loaded (the block count is dynamic), and CTAs of splits past it exit
-at once. Per-row arithmetic is the same for every M: the tile is always ROW_TILE rows per head. GPU only (the
-Pallas Mosaic GPU API of jax >= 0.11).
+at once. Per-row arithmetic is the same for every R: every wgmma is 64 rows whatever they hold, and a row's scores,
+mask, softmax and P V run through the same instructions whatever its slot in the tile (the rows per head only
+choose the slot). So a decode call (R = 2) runs one warpgroup where a full tile of 5 heads x 16 rows runs two.
+GPU only (the Pallas Mosaic GPU API of jax >= 0.11).
 """
 
 from __future__ import annotations
@@ -38,25 +41,28 @@ def fits(dtype, head_dim: int) -> bool:
     return jnp.dtype(dtype) == jnp.bfloat16 and head_dim in (64, 128, 256)
 
 
-def tile_rows(group: int) -> int:
-    """Rows of one KV head's query tile: group heads x ROW_TILE rows, padded to a multiple of WG_ROWS."""
-    return -(-group * ROW_TILE // WG_ROWS) * WG_ROWS
+def tile_rows(group: int, head_rows: int) -> int:
+    """Rows of one KV head's query tile: group heads x head_rows rows, padded to WG_ROWS (one warpgroup) or to a
+    multiple of 2 x WG_ROWS (chunks of two warpgroups)."""
+    unit = WG_ROWS if group * head_rows <= WG_ROWS else 2 * WG_ROWS
+    return -(-group * head_rows // unit) * unit
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "block_k", "ring"))
 def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ring):
-    """q [ROW_TILE, Hq, D] bf16 (rows padded), caches [S, Hkv, D] bf16, start_arr int32 [1] -> partials o
-    [Hkv, NS, T, D] bf16, m and l [Hkv, NS, T] float32 (T = tile_rows(group)); splits past start + ROW_TILE - 1
-    are not written. `splits` is the attention_kernel.Splits partition (split sizes multiples of block_k);
+    """q [R <= ROW_TILE, Hq, D] bf16 (R rows per head, row r at position start + r), caches [S, Hkv, D] bf16,
+    start_arr int32 [1] -> partials o [Hkv, NS, T, D] bf16, m and l [Hkv, NS, T] float32 (T = tile_rows(group,
+    R); row g * R + r is row r of the group's head g); splits past start + ROW_TILE - 1 are not written.
+    `splits` is the attention_kernel.Splits partition (split sizes multiples of block_k);
     ring: pipeline depth (`stages` gives the default)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.attention_kernel import query_tile  # here: attention_kernel imports this module
 
-    _, hq, d = q.shape
+    head_rows, hq, d = q.shape
     s_len, hkv, _ = k_cache.shape
     group = hq // hkv
-    rows = tile_rows(group)
+    rows = tile_rows(group, head_rows)
     wgs = min(2, rows // WG_ROWS)
     chunks = rows // (wgs * WG_ROWS)
     n_split = splits.count(s_len)
@@ -88,9 +94,10 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
                     return s_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, block_k), jnp.float32))
-                row = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+                row0 = (chunk * wgs + wg) * WG_ROWS  # this warpgroup's first row in the KV head's tile
+                row = row0 + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
                 col = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-                s = jnp.where(base + col <= start + jax.lax.rem(row, ROW_TILE), s * c, -jnp.inf)
+                s = jnp.where(base + col <= start + jax.lax.rem(row, head_rows), s * c, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_use, s.shape, [0]))

@@ -163,15 +163,18 @@ def test_lowers_for_gpu(splits):
 @pytest.mark.skipif(not MOSAIC_GPU_TRACES, reason="the Mosaic GPU kernel traces on jax >= 0.11 only")
 def test_mosaic_split_kernel_is_the_gpu_default_and_lowers():
     """Compiled bf16 attention traces to the Mosaic GPU split kernel (then the Triton combine), and that kernel
-    lowers for CUDA on this machine for tiles of 1, 2 and 2 x 2 warpgroups and head_dim 64 / 128 / 256."""
+    lowers for CUDA on this machine for tiles of 1, 2 and 2 x 2 warpgroups, 2 / 4 / 10 / 16 rows per head and head_dim
+    64 / 128 / 256."""
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(16, 40, 128), (2048, 8, 128), (2048, 8, 128)]]
     fn = functools.partial(attention_kernel.attention, scale=128**-0.5, interpret=False)
     jaxpr = str(jax.make_jaxpr(fn)(*args, jnp.int32(0)))
     assert "jspec_attention_ws" in jaxpr and "jspec_attention_combine" in jaxpr
     assert "jspec_attention_split" not in jaxpr
     splits = attention_kernel.Splits(attention_kernel.NEAR_SPLIT, attention_kernel.SPLIT, attention_kernel.NEAR_UNTIL)
-    for hq, hkv, d in [(8, 2, 64), (40, 8, 128), (32, 2, 128), (16, 2, 256)]:
-        args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(ROW_TILE, hq, d), (2048, hkv, d), (2048, hkv, d)]]
+    layouts = [(8, 2, 64, 16), (40, 8, 128, 16), (40, 8, 128, 2), (32, 2, 128, 16), (32, 2, 128, 10), (16, 2, 256, 4)]
+    for hq, hkv, d, head_rows in layouts:
+        shapes = [(head_rows, hq, d), (2048, hkv, d), (2048, hkv, d)]
+        args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
         kernel = functools.partial(
             attention_ws.split_partials, scale=d**-0.5, splits=splits, block_k=64, ring=attention_ws.stages(64, d)
         )
@@ -179,16 +182,40 @@ def test_mosaic_split_kernel_is_the_gpu_default_and_lowers():
         assert "mosaic_gpu" in text.as_text()
 
 
+@pytest.mark.parametrize("backend", ["interpret", "reference"])
+def test_rows_past_the_valid_ones_are_zero_and_the_rest_unchanged(backend):
+    """rows=r: rows 0..r-1 bit-equal to the call on those rows alone, the rest of the tile exactly zero."""
+    q_hist, k_hist, v_hist = _history(jnp.float32, seed=5)
+    start = 1017
+    q = q_hist[start : start + ROW_TILE]
+    with use_backend(backend):
+        for valid in (1, 4, 7):
+            out = np.asarray(dispatch_attention(q, k_hist, v_hist, jnp.int32(start), scale=SCALE, rows=valid))
+            alone = np.asarray(dispatch_attention(q[:valid], k_hist, v_hist, jnp.int32(start), scale=SCALE))
+            assert out.shape == q.shape
+            assert np.array_equal(bits(out[:valid]), bits(alone)) and not out[valid:].any()
+        with pytest.raises(ValueError, match="valid rows"):
+            dispatch_attention(q, k_hist, v_hist, jnp.int32(start), scale=SCALE, rows=ROW_TILE + 1)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
 @pytest.mark.parametrize("hq, hkv, d", [(8, 2, 64), (40, 8, 128), (28, 4, 128), (32, 2, 128), (16, 2, 256)])
 def test_gpu_mosaic_rows_exact_across_the_split_boundary(hq, hkv, d):
-    """Query tiles of 1 (64 rows), 2 (80 / 112 rows padded to 128) and 2 x 2 (256 rows) warpgroups; positions
-    1017..1031 cross the near / far split boundary at 1024 and a block boundary, every M in 1..16."""
+    """Query tiles of 1 (64 rows), 2 (80 / 112 rows padded to 128) and 2 x 2 (256 rows) warpgroups at 16 rows per
+    head, fewer at M < 16 (M rounded up to even rows per head: 5 heads x 2 rows take one warpgroup); positions
+    1017..1031 cross the near / far split boundary at 1024 and a block boundary, every M in 1..16. rows=r on a
+    full 16-row q: the first r rows equal the M = r call, the rest are zero."""
     positions = list(range(attention_kernel.NEAR_UNTIL - 7, attention_kernel.NEAR_UNTIL + 8))
     _check_rows_exact(
         jnp.bfloat16, positions, range(1, ROW_TILE + 1), s_len=1280, hq=hq, hkv=hkv, d=d, interpret=False, mosaic=True
     )
     q_hist, k_hist, v_hist = _history(jnp.bfloat16, s_len=1280, hq=hq, hkv=hkv, d=d)
+    q = q_hist[1017 : 1017 + ROW_TILE]
+    for valid in (1, 3, 8):
+        kw = dict(scale=d**-0.5, interpret=False, mosaic=True)
+        out = np.asarray(attention_kernel.attention(q, k_hist, v_hist, jnp.int32(1017), rows=valid, **kw))
+        alone = np.asarray(attention_kernel.attention(q[:valid], k_hist, v_hist, jnp.int32(1017), **kw))
+        assert np.array_equal(bits(out[:valid]), bits(alone)) and not out[valid:].any()
     for start in (0, 61, 1020):
         q = q_hist[start : start + ROW_TILE]
         out = attention_kernel.attention(q, k_hist, v_hist, jnp.int32(start), scale=d**-0.5, interpret=False)
@@ -301,7 +328,8 @@ def test_combine_never_reads_dead_splits(poison):
     bad = [jnp.where(dead[..., None], poison, o), jnp.where(dead, poison, m), jnp.where(dead, poison, s)]
     outs = []
     for chunk in (2, 8):
-        kw = dict(q_heads=HQ, splits=attention_kernel.Splits(16, 16, 0), interpret=True, rows=2, chunk=chunk)
+        kw = dict(q_heads=HQ, head_rows=ROW_TILE, valid_rows=ROW_TILE, splits=attention_kernel.Splits(16, 16, 0))
+        kw.update(interpret=True, rows=2, chunk=chunk)
         kw.update(warps=4, stages=2)
         clean = attention_kernel.combine(start, o, m, s, **kw)
         dirty = attention_kernel.combine(start, *bad, **kw)

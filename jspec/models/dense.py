@@ -33,19 +33,20 @@ def _project_qkv(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
     return q, k, v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
 
 
-def attend(p: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array, cache, start):
+def attend(p: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array, cache, start, rows=None):
     """Attention sub-block on normed h [T, H] -> ([T, Hq*D], cache).
 
     cache None: full causal forward. start None: prefill (write rows 0..T-1, attend the fresh keys).
-    Else: a row-tile step (T == ROW_TILE): write rows start..start+T-1, attend the cache with the kernel.
+    Else: a row-tile step (T == ROW_TILE): write rows start..start+T-1, attend the cache with the kernel; rows
+    (static, default T): the step's valid rows, the only ones that attend (the others' output is zero).
     """
     q, k, v = _project_qkv(p, cfg, h, positions)
-    out, cache = cached_attention(cfg, q, k, v, cache, start)
+    out, cache = cached_attention(cfg, q, k, v, cache, start, rows)
     return out.reshape(h.shape[0], cfg.q_size), cache
 
 
-def cached_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, cache, start):
-    """q [T, Hq, D], k/v [T, Hkv, D] (rotated) -> ([T, Hq, D], cache); cache/start as in `attend`."""
+def cached_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, cache, start, rows=None):
+    """q [T, Hq, D], k/v [T, Hkv, D] (rotated) -> ([T, Hq, D], cache); cache/start/rows as in `attend`."""
     scale = cfg.head_dim**-0.5
     if cache is None:
         return causal_attention(q, k, v, scale=scale), None
@@ -55,13 +56,13 @@ def cached_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array,
     if start is None:
         out = causal_attention(q, k, v, scale=scale)
     else:
-        out = attention(q, k_cache, v_cache, start, scale=scale)
+        out = attention(q, k_cache, v_cache, start, scale=scale, rows=rows)
     return out, (k_cache, v_cache)
 
 
-def layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache, start):
-    """One decoder layer on the residual stream x [T, H] (see `attend` for cache/start)."""
-    h, cache = attend(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), positions, cache, start)
+def layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache, start, rows=None):
+    """One decoder layer on the residual stream x [T, H] (see `attend` for cache/start/rows)."""
+    h, cache = attend(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), positions, cache, start, rows)
     out = linear(h, p["o"], p.get("o_bias"))
     if cfg.post_norms:
         out = rms_norm(out, p["post_self_attn_norm"], cfg.rms_norm_eps)
@@ -78,17 +79,17 @@ attention_layer = layer  # the family's attention decoder layer (used by the MTP
 def run(
     params: dict, cfg: ModelConfig, tokens: jax.Array, cache=None, *, start=None, length=None, slot=None, rows=None
 ):
-    """Embed tokens [T], run every layer, final norm -> (hidden [T, H], cache). cache/start as in `attend`.
+    """Embed tokens [T], run every layer, final norm -> (hidden [T, H], cache). cache/start/rows as in `attend`.
 
-    length (prefill's true prompt length), slot and rows (the step's committed slot and valid rows) matter only
-    to recurrent families; dense layers ignore them.
+    length (prefill's true prompt length) and slot (the step's committed slot) matter only to recurrent families;
+    dense layers ignore them.
     """
-    del length, slot, rows
+    del length, slot
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32) + (0 if start is None else start)
     x = params["embed"][tokens]
     new_cache = []
     for i, p in enumerate(params["layers"]):
-        x, layer_cache = layer(p, cfg, x, positions, None if cache is None else cache[i], start)
+        x, layer_cache = layer(p, cfg, x, positions, None if cache is None else cache[i], start, rows)
         new_cache.append(layer_cache)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return x, None if cache is None else tuple(new_cache)

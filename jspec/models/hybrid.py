@@ -61,8 +61,8 @@ def init_cache(cfg: ModelConfig, length: int, dtype) -> tuple:
     )
 
 
-def attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache, start):
-    """Gated-attention decoder layer (+ MLP) on the residual stream x [T, H] -> (x, cache); cache/start as in
+def attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache, start, rows=None):
+    """Gated-attention decoder layer (+ MLP) on the residual stream x [T, H] -> (x, cache); cache/start/rows as in
     `jspec.models.dense.attend` (cache None: full causal; start None: prefill; else a row-tile step)."""
     t, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qkv = linear(_norm(x, p["input_norm"], cfg), p["qkv"], p.get("qkv_bias"))
@@ -70,7 +70,7 @@ def attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Arra
     q, gate = jnp.split(q_gate.reshape(t, hq, 2 * d), 2, axis=-1)
     q = apply_rope(_norm(q, p["q_norm"], cfg), positions, cfg)
     k = apply_rope(_norm(k.reshape(t, hkv, d), p["k_norm"], cfg), positions, cfg)
-    out, cache = cached_attention(cfg, q, k, v.reshape(t, hkv, d), cache, start)
+    out, cache = cached_attention(cfg, q, k, v.reshape(t, hkv, d), cache, start, rows)
     out = out.reshape(t, cfg.q_size) * jax.nn.sigmoid(gate.reshape(t, cfg.q_size))
     return _mlp_block(p, cfg, x + linear(out, p["o"], p.get("o_bias"))), cache
 
@@ -138,7 +138,7 @@ def run(
     for i, (kind, p) in enumerate(zip(cfg.layer_types, params["layers"], strict=True)):
         layer_cache = None if cache is None else cache[i]
         if kind == FULL:
-            x, layer_cache = attention_layer(p, cfg, x, positions, layer_cache, start)
+            x, layer_cache = attention_layer(p, cfg, x, positions, layer_cache, start, rows)
         else:
             x, layer_cache = linear_attention_layer(p, cfg, x, layer_cache, start, length, slot, rows)
         new_cache.append(layer_cache)
