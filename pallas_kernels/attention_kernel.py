@@ -12,14 +12,14 @@ caches is the warp-specialized Mosaic GPU kernel of `attention_ws`, which writes
    that position are not visited.
 2. `_combine_kernel`, grid (q_heads, ROW_TILE // combine_rows): merges the live splits' partials of each row in one
    pass (global max of m first, then one weighted sum in ascending split order, `combine_chunk` splits per step, no
-   rescaling) and writes [ROW_TILE, Hq, D]; its row groups past the computed rows, and rows past the valid ones,
-   are written as zeros.
+   rescaling) and writes [ROW_TILE, Hq, D]; rows past the call's valid ones are written as zeros.
 
 Why row r is bit-identical for every M and every start that keep its position t = start + r (DESIGN 2.2):
-- The Triton split kernel pads rows to ROW_TILE, so every call runs it on the same shapes. The Mosaic GPU one pads
-  them to an even count R per head: every wgmma there is 64 rows whatever they hold, and a row's own instructions
-  do not depend on its slot (attention_ws). The combine's programs are combine_rows rows each whatever R is. No XLA
-  op touches the partials (the combine is a kernel), and the only op after it is the slice to M rows.
+- Rows are padded to ROW_TILE and the valid row count is data (next to the start), so every call runs the same
+  kernels on the same shapes. What the count changes is which work is skipped: the Mosaic GPU split kernel's
+  chunks holding no valid row exit, the combine writes zeros for rows past the valid ones. A computed row's
+  arithmetic never depends on it. No XLA op touches the partials (the combine is a kernel), and the only op after
+  it is the slice to M rows.
 - The partition (block_k, split) is a function of absolute position only. Row r's arithmetic on a block or split
   depends only on its query row, the cache rows <= t and its own mask.
 - What a call may add beyond t is exactly neutral: a block fully past t has scores -inf, so the running max is
@@ -165,10 +165,11 @@ def _split_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale,
             l_ref[pl.ds(lo, n)] = den
 
 
-def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, splits, chunk, live_groups, valid_rows):
-    """One (query head, row group) program. o_ref [NS, RC, D]; m_ref/l_ref [NS, RC] float32; out_ref [RC, D].
-    Row groups from `live_groups` on were not computed by the split kernel and rows from `valid_rows` on are no
-    query rows: both are written as zeros (a select on the finished rows, so a computed row's bits do not change).
+def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, splits, chunk):
+    """One (query head, row group) program. start_ref [2] (start, valid rows); o_ref [NS, RC, D]; m_ref/l_ref
+    [NS, RC] float32; out_ref [RC, D]. Rows from the valid ones on are no query rows (the split kernel may not
+    have computed them): they are written as zeros, a select on the finished rows, so a valid row's bits do not
+    depend on the valid count.
 
     One pass, no rescaling chain: first the max M over the live splits' m (order-free, so exact), then
     num = sum_i exp2(m_i - M) * l_i * o_i and den = sum_i exp2(m_i - M) * l_i over the live splits in ascending
@@ -176,18 +177,19 @@ def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, splits, chunk, l
     depend on each other. Splits >= live were never computed (their partials are garbage): their loads are masked
     to m = -inf, l = 0, o = 0 (never read), so they add exact zeros, as does a live split a row sees nothing of.
     """
-    group_index = pl.program_id(1)
     rows, d = out_ref.shape
+    valid = start_ref[1]
+    first = pl.program_id(1) * rows
 
-    @pl.when(group_index >= live_groups)
+    @pl.when(first >= valid)
     def _():
         out_ref[...] = jnp.zeros((rows, d), out_ref.dtype)
 
-    @pl.when(group_index < live_groups)
+    @pl.when(first < valid)
     def _():
-        row = group_index * rows + jnp.arange(rows, dtype=jnp.int32)
+        row = first + jnp.arange(rows, dtype=jnp.int32)
         out = _combine_rows(start_ref, o_ref, m_ref, l_ref, splits=splits, chunk=chunk)
-        out_ref[...] = jnp.where((row < valid_rows)[:, None], out, 0.0).astype(out_ref.dtype)
+        out_ref[...] = jnp.where((row < valid)[:, None], out, 0.0).astype(out_ref.dtype)
 
 
 def _combine_rows(start_ref, o_ref, m_ref, l_ref, *, splits, chunk):
@@ -299,10 +301,10 @@ def attention(
     """q [M <= ROW_TILE, Hq, D] at positions start..start+M-1 (start: int32 scalar, may be traced); caches
     [S, Hkv, D] in q.dtype (float32 or bfloat16) -> [M, Hq, D] in q.dtype.
 
-    rows (static, default M): only q rows 0..rows-1 are queries (a row tile's valid rows); the output's rows from
-    `rows` on are zero. The Mosaic GPU split kernel computes ceil(rows / combine_rows) * combine_rows rows per
-    head (a decode call one warpgroup, where a full tile of 5 heads x 16 rows takes two); the Triton one always
-    ROW_TILE. Row r < rows is bit-identical for every M and every rows > r.
+    rows (default M): only q rows 0..rows-1 are queries (a row tile's valid rows); the output's rows from `rows`
+    on are zero. The count reaches the kernels as data, so every M and every rows run the same kernels on the
+    same shapes: the Mosaic GPU split kernel skips the chunks holding no valid row (a decode of 5 query heads per
+    KV head runs one 64-row chunk of 5 x 12 rows, not two), the Triton one computes every row.
     Row r attends cache positions 0..start+r; the caller guarantees start + ROW_TILE <= S (positions past
     start + ROW_TILE - 1 may hold stale finite data; blocks past the one holding start + ROW_TILE - 1 are never
     read). GQA: query head h uses KV head h // (Hq // Hkv). The tuning arguments change the bits (never the row
@@ -314,20 +316,27 @@ def attention(
     (None: `attention_ws.BLOCK_K` and `attention_ws.stages`).
     """
     _check_inputs(q, k_cache, v_cache)
-    m, _, d = q.shape
+    m, hq, d = q.shape
     rows = m if rows is None else rows
     if not 1 <= rows <= m:
         raise ValueError(f"attention: rows={rows} valid rows must be in 1..{m} (the query rows given)")
+    group = hq // k_cache.shape[1]
     if mosaic is None:
-        mosaic = not interpret and attention_ws.fits(q.dtype, d)
-    elif mosaic and (interpret or not attention_ws.fits(q.dtype, d)):
+        mosaic = not interpret and attention_ws.fits(q.dtype, d, group)
+    elif mosaic and (interpret or not attention_ws.fits(q.dtype, d, group)):
         raise ValueError(
-            f"the Mosaic GPU attention kernel takes bfloat16 caches with head_dim 64, 128 or 256 on the GPU, got "
-            f"{q.dtype} head_dim {d}{' in interpret mode' if interpret else ''}"
+            f"the Mosaic GPU attention kernel takes bfloat16 caches with head_dim 64, 128 or 256 and at most "
+            f"{attention_ws.WG_ROWS // 2} query heads per KV head on the GPU, got {q.dtype} head_dim {d}, {group} "
+            f"heads{' in interpret mode' if interpret else ''}"
         )
     if mosaic:
         block_k = block_k or attention_ws.BLOCK_K
         num_stages = num_stages or attention_ws.stages(block_k, d)
+        if attention_ws.head_rows(group) % combine_rows:
+            raise ValueError(
+                f"combine_rows {combine_rows} must divide the Mosaic GPU kernel's {attention_ws.head_rows(group)} "
+                f"rows per head (group of {group} query heads)"
+            )
     else:
         tile = _tile_heads(q.shape[1] // k_cache.shape[1], fold_heads) * ROW_TILE
         auto_block, auto_stages = split_tiles(tile, d, jnp.dtype(q.dtype).itemsize)
@@ -335,12 +344,11 @@ def attention(
         num_stages = num_stages or auto_stages
     splits = Splits(split, far_split, far_from) if far_split else Splits(split, split, 0)
     _check_tiles(d, k_cache.shape[0], block_k, splits, combine_rows, combine_chunk)
-    head_rows = -(-rows // combine_rows) * combine_rows if mosaic else ROW_TILE
     out = _attention_tile(
-        jnp.pad(q[:head_rows], ((0, max(0, head_rows - m)), (0, 0), (0, 0))),
+        jnp.pad(q, ((0, ROW_TILE - m), (0, 0), (0, 0))),
         k_cache,
         v_cache,
-        jnp.asarray(start, jnp.int32).reshape(1),
+        jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(rows, jnp.int32)]),
         scale=float(scale),
         interpret=interpret,
         fold_heads=fold_heads,
@@ -353,7 +361,6 @@ def attention(
         combine_warps=combine_warps,
         combine_stages=combine_stages,
         mosaic=mosaic,
-        rows=rows,
     )
     return out[:m]
 
@@ -373,7 +380,6 @@ def attention(
         "combine_warps",
         "combine_stages",
         "mosaic",
-        "rows",
     ),
 )
 def _attention_tile(
@@ -394,10 +400,9 @@ def _attention_tile(
     combine_warps,
     combine_stages,
     mosaic,
-    rows,
 ):
-    """q [R, Hq, D] (R rows per head, padded), start_arr int32 [1] -> [ROW_TILE, Hq, D] in q.dtype, rows from
-    `rows` on zero."""
+    """q [ROW_TILE, Hq, D] (rows padded), start_arr int32 [2] (start, valid rows) -> [ROW_TILE, Hq, D] in q.dtype,
+    rows from the valid ones on zero."""
     if mosaic:
         parts = attention_ws.split_partials(
             q, k_cache, v_cache, start_arr, scale=scale, splits=splits, block_k=block_k, ring=num_stages
@@ -420,8 +425,8 @@ def _attention_tile(
         start_arr,
         *parts,
         q_heads=q.shape[1],
-        head_rows=q.shape[0],
-        valid_rows=rows,
+        head_rows=attention_ws.head_rows(q.shape[1] // k_cache.shape[1]) if mosaic else ROW_TILE,
+        chunk_rows=attention_ws.WG_ROWS if mosaic else parts[0].shape[2],
         splits=splits,
         interpret=interpret,
         rows=combine_rows,
@@ -431,21 +436,27 @@ def _attention_tile(
     )
 
 
-def query_tile(q: jax.Array, hkv: int, rows: int) -> jax.Array:
-    """q [R, Hq, D] -> the split kernels' query tiles [Hkv, rows, D]: row g * R + r is row r of query head g of
-    the KV head; zero rows after the group's heads, up to `rows`."""
-    head_rows, hq, d = q.shape
+def query_tile(q: jax.Array, hkv: int, head_rows: int, chunk_rows: int) -> jax.Array:
+    """q [ROW_TILE, Hq, D] -> the split kernels' query tiles [Hkv, C * chunk_rows, D], C = ceil(ROW_TILE /
+    head_rows) chunks: row c * chunk_rows + g * head_rows + r is tile row c * head_rows + r of query head g of the
+    KV head; zero rows after the group's heads in each chunk (and past ROW_TILE)."""
+    _, hq, d = q.shape
     group = hq // hkv
-    qt = q.reshape(head_rows, hkv, group, d).transpose(1, 2, 0, 3).reshape(hkv, group * head_rows, d)
-    return jnp.pad(qt, ((0, 0), (0, rows - group * head_rows), (0, 0)))
+    chunks = -(-ROW_TILE // head_rows)
+    q = jnp.pad(q, ((0, chunks * head_rows - ROW_TILE), (0, 0), (0, 0)))
+    qt = q.reshape(chunks, head_rows, hkv, group, d).transpose(2, 0, 3, 1, 4)
+    qt = qt.reshape(hkv, chunks, group * head_rows, d)
+    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, chunk_rows - group * head_rows), (0, 0)))
+    return qt.reshape(hkv, chunks * chunk_rows, d)
 
 
 def split_partials(
     q, k_cache, v_cache, start_arr, *, scale, interpret, fold_heads, block_k, splits, num_warps, num_stages
 ):
-    """q [ROW_TILE, Hq, D] (rows padded), start_arr int32 [1] -> the split kernel's partials (o [Hkv, NS, T, D] in
-    q.dtype, m [Hkv, NS, T], l [Hkv, NS, T] float32; T = padded heads x ROW_TILE rows). Splits past
-    start_arr[0] + ROW_TILE - 1 are not written."""
+    """q [ROW_TILE, Hq, D] (rows padded), start_arr int32 [2] (start, valid rows: this kernel computes every row)
+    -> the split kernel's partials (o [Hkv, NS, T, D] in q.dtype, m [Hkv, NS, T], l [Hkv, NS, T] float32; T =
+    padded heads x ROW_TILE rows, `query_tile` layout with one chunk). Splits past start_arr[0] + ROW_TILE - 1 are
+    not written."""
     _, hq, d = q.shape
     s_len, hkv, _ = k_cache.shape
     group = hq // hkv
@@ -454,7 +465,7 @@ def split_partials(
     slices = ((0, rows),) if fold_heads else tuple((g * ROW_TILE, ROW_TILE) for g in range(group))
     n_split = splits.count(s_len)
     dtype = q.dtype
-    qt = query_tile(q, hkv, rows)
+    qt = query_tile(q, hkv, ROW_TILE, rows)
 
     scalar = pl.BlockSpec((1,), lambda *_: (0,))
     whole_cache = pl.BlockSpec((s_len, hkv, d), lambda h, j: (0, 0, 0))
@@ -479,24 +490,25 @@ def split_partials(
 
 
 def combine(
-    start_arr, o_part, m_part, l_part, *, q_heads, head_rows, valid_rows, splits, interpret, rows, chunk, warps, stages
+    start_arr, o_part, m_part, l_part, *, q_heads, head_rows, chunk_rows, splits, interpret, rows, chunk, warps, stages
 ):
-    """The split kernel's partials o_part [Hkv, NS, T, D] (T = padded heads x head_rows rows), m_part/l_part
-    [Hkv, NS, T] float32 -> [ROW_TILE, q_heads, D] in o_part.dtype, rows from valid_rows on zero (`rows` rows per
-    program: a divisor of head_rows). Splits past start_arr[0] + ROW_TILE - 1 are never read."""
+    """The split kernel's partials o_part [Hkv, NS, T, D] (`query_tile` layout: chunks of chunk_rows rows,
+    head_rows per query head), m_part/l_part [Hkv, NS, T] float32, start_arr int32 [2] (start, valid rows) ->
+    [ROW_TILE, q_heads, D] in o_part.dtype, rows from the valid ones on zero. `rows` rows per program (a divisor
+    of head_rows and chunk_rows). Splits past start_arr[0] + ROW_TILE - 1 are never read."""
     hkv, n_split, _, d = o_part.shape
     group = q_heads // hkv
-    per_head = head_rows // rows
 
     def part_index(h, r):
-        return h // group, 0, (h % group) * per_head + jnp.minimum(r, per_head - 1)
+        first = r * rows  # tile row of the program's first row
+        c = first // head_rows
+        return h // group, 0, (c * chunk_rows + (h % group) * head_rows + first - c * head_rows) // rows
 
-    kernel = functools.partial(_combine_kernel, splits=splits, chunk=chunk, live_groups=per_head, valid_rows=valid_rows)
     return pl.pallas_call(
-        kernel,
+        functools.partial(_combine_kernel, splits=splits, chunk=chunk),
         grid=(q_heads, ROW_TILE // rows),
         in_specs=[
-            pl.BlockSpec((1,), lambda *_: (0,)),
+            pl.BlockSpec((2,), lambda *_: (0,)),
             pl.BlockSpec((None, n_split, rows, d), lambda h, r: (*part_index(h, r), 0)),
             pl.BlockSpec((None, n_split, rows), part_index),
             pl.BlockSpec((None, n_split, rows), part_index),

@@ -2,17 +2,16 @@
 
 It computes the same partials as `attention_kernel._split_kernel` (per KV head and split of the cache: m, l in the
 exp2 domain, out = acc / l in the cache dtype), and `attention_kernel.combine` merges them, so the partition, the
-combine and the exactness argument (attention_kernel's docstring) are shared. One CTA per (KV head, 128-row chunk
-of the query tile, split): a TMA warpgroup streams [block_k, head_dim] K and V blocks of the split through a
-`stages`-deep ring; each of up to two consumer warpgroups holds 64 query rows (tile row i is row i % R of query
-head i // R, R the rows per head of the call; rows past the real heads are zero) and runs, per block, S = Q K^T
-(wgmma, float32),
-the mask and online softmax in registers, and acc += P V (wgmma, P bfloat16 from registers). Blocks past the
-last position any tile row attends are never loaded (the block count is dynamic), and CTAs of splits past it exit
-at once. Per-row arithmetic is the same for every R: every wgmma is 64 rows whatever they hold, and a row's scores,
-mask, softmax and P V run through the same instructions whatever its slot in the tile (the rows per head only
-choose the slot). So a decode call (R = 2) runs one warpgroup where a full tile of 5 heads x 16 rows runs two.
-GPU only (the Pallas Mosaic GPU API of jax >= 0.11).
+combine and the exactness argument (attention_kernel's docstring) are shared. The ROW_TILE query rows of a KV
+head's `group` query heads are cut into chunks of R = `head_rows(group)` rows per head, one 64-row warpgroup tile
+each (slot g * R + r of chunk c is row c * R + r of the group's head g; slots past the heads are zero). One CTA
+per (KV head, chunk, split): a TMA warpgroup streams [block_k, head_dim] K and V blocks of the split through a
+`stages`-deep ring; a consumer warpgroup runs, per block, S = Q K^T (wgmma, float32), the mask and online softmax
+in registers, and acc += P V (wgmma, P bfloat16 from registers). Blocks past the last position any tile row
+attends are never loaded (the block count is dynamic); CTAs of splits past it, and of chunks holding no valid row
+(the valid row count is data, like the start), exit at once: a decode runs chunk 0 only. So decode and verify run
+one kernel on the same shapes, whatever M; they differ only in the data. GPU only (the Pallas Mosaic GPU API of
+jax >= 0.11).
 """
 
 from __future__ import annotations
@@ -36,47 +35,46 @@ def stages(block_k: int, head_dim: int) -> int:
     return 4 if block_k * head_dim <= 64 * 128 else 2
 
 
-def fits(dtype, head_dim: int) -> bool:
-    """Whether this kernel takes caches of `dtype` and `head_dim` (bf16; head_dim 64, 128 or 256)."""
-    return jnp.dtype(dtype) == jnp.bfloat16 and head_dim in (64, 128, 256)
+def fits(dtype, head_dim: int, group: int) -> bool:
+    """Whether this kernel takes caches of `dtype` and `head_dim` with `group` query heads per KV head (bf16;
+    head_dim 64, 128 or 256; at most WG_ROWS // 2 heads, so a chunk holds 2 rows of each)."""
+    return jnp.dtype(dtype) == jnp.bfloat16 and head_dim in (64, 128, 256) and group <= WG_ROWS // 2
 
 
-def tile_rows(group: int, head_rows: int) -> int:
-    """Rows of one KV head's query tile: group heads x head_rows rows, padded to WG_ROWS (one warpgroup) or to a
-    multiple of 2 x WG_ROWS (chunks of two warpgroups)."""
-    unit = WG_ROWS if group * head_rows <= WG_ROWS else 2 * WG_ROWS
-    return -(-group * head_rows // unit) * unit
+def head_rows(group: int) -> int:
+    """Rows per query head in one chunk: the most (even, <= ROW_TILE) that fit `group` heads in WG_ROWS."""
+    return min(ROW_TILE, WG_ROWS // group // 2 * 2)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "block_k", "ring"))
 def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ring):
-    """q [R <= ROW_TILE, Hq, D] bf16 (R rows per head, row r at position start + r), caches [S, Hkv, D] bf16,
-    start_arr int32 [1] -> partials o [Hkv, NS, T, D] bf16, m and l [Hkv, NS, T] float32 (T = tile_rows(group,
-    R); row g * R + r is row r of the group's head g); splits past start + ROW_TILE - 1 are not written.
-    `splits` is the attention_kernel.Splits partition (split sizes multiples of block_k);
-    ring: pipeline depth (`stages` gives the default)."""
+    """q [ROW_TILE, Hq, D] bf16 (row r at position start + r), caches [S, Hkv, D] bf16, start_arr int32 [2] =
+    (start, valid rows) -> partials o [Hkv, NS, C * WG_ROWS, D] bf16, m and l [Hkv, NS, C * WG_ROWS] float32 in
+    chunk layout (module docstring; C chunks of head_rows(group) rows per head). Splits past start + ROW_TILE - 1
+    and chunks past the valid rows are not written. `splits` is the attention_kernel.Splits partition (split
+    sizes multiples of block_k); ring: pipeline depth (`stages` gives the default)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.attention_kernel import query_tile  # here: attention_kernel imports this module
 
-    head_rows, hq, d = q.shape
+    _, hq, d = q.shape
     s_len, hkv, _ = k_cache.shape
     group = hq // hkv
-    rows = tile_rows(group, head_rows)
-    wgs = min(2, rows // WG_ROWS)
-    chunks = rows // (wgs * WG_ROWS)
+    per_head = head_rows(group)
+    chunks = -(-ROW_TILE // per_head)
     n_split = splits.count(s_len)
-    qt = query_tile(q, hkv, rows)
+    qt = query_tile(q, hkv, per_head, WG_ROWS)
     tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     c = scale * _LOG2E
 
     def jspec_attention_ws(start_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, q_smem, ml_smem, q_bar):
         head, chunk, j = jax.lax.axis_index("h"), jax.lax.axis_index("r"), jax.lax.axis_index("s")
-        start = start_gmem[0]
+        start, valid = start_gmem[0], start_gmem[1]
         last = start + ROW_TILE - 1  # the last position any tile row attends
         first = splits.first(j)
+        chunk_start = start + chunk * per_head  # position of this chunk's tile row 0
 
-        @pl.when(first <= last)
+        @pl.when((first <= last) & (chunk * per_head < valid))
         def _():
             n_blocks = jnp.minimum(jax.lax.div(last - first, block_k) + 1, splits.blocks(j, block_k))
             first_block = jax.lax.div(first, block_k)
@@ -86,18 +84,16 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
 
             def body(idx, k_smem, v_smem, carry):
                 acc, m, den = carry
-                wg = jax.lax.axis_index("wg")
                 base = first + idx[0] * block_k
 
                 def qk(s_ref):
-                    plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.transpose((1, 0)))
+                    plgpu.wgmma(s_ref, q_smem, k_smem.transpose((1, 0)))
                     return s_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, block_k), jnp.float32))
-                row0 = (chunk * wgs + wg) * WG_ROWS  # this warpgroup's first row in the KV head's tile
-                row = row0 + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+                row = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
                 col = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-                s = jnp.where(base + col <= start + jax.lax.rem(row, head_rows), s * c, -jnp.inf)
+                s = jnp.where(base + col <= chunk_start + jax.lax.rem(row, per_head), s * c, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_use, s.shape, [0]))
@@ -112,10 +108,9 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
                 return acc, m_new, den
 
             def compute_context(eval_pipeline):
-                wg = jax.lax.axis_index("wg")
-                row0 = (chunk * wgs + wg) * WG_ROWS
-                plgpu.copy_gmem_to_smem(q_gmem.at[head, pl.ds(row0, WG_ROWS)], q_smem.at[wg], q_bar.at[wg])
-                plgpu.barrier_wait(q_bar.at[wg])
+                tile = pl.ds(chunk * WG_ROWS, WG_ROWS)
+                plgpu.copy_gmem_to_smem(q_gmem.at[head, tile], q_smem, q_bar)
+                plgpu.barrier_wait(q_bar)
                 reduced = plgpu.Layout.WGMMA.reduce(1)
                 init = (
                     plgpu.layout_cast(jnp.zeros((WG_ROWS, d), jnp.float32), plgpu.Layout.WGMMA),
@@ -124,14 +119,13 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
                 )
                 acc, m, den = eval_pipeline(init)
                 inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)  # nothing visible: out = 0
-                q_smem.at[wg][...] = (acc * jax.lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
-                ml_smem.at[wg, 0][...] = m
-                ml_smem.at[wg, 1][...] = den
+                q_smem[...] = (acc * jax.lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
+                ml_smem.at[0][...] = m
+                ml_smem.at[1][...] = den
                 plgpu.commit_smem()
-                rows_out = pl.ds(row0, WG_ROWS)
-                plgpu.copy_smem_to_gmem(q_smem.at[wg], o_gmem.at[head, j, rows_out])
-                plgpu.copy_smem_to_gmem(ml_smem.at[wg, 0], m_gmem.at[head, j, rows_out])
-                plgpu.copy_smem_to_gmem(ml_smem.at[wg, 1], l_gmem.at[head, j, rows_out])
+                plgpu.copy_smem_to_gmem(q_smem, o_gmem.at[head, j, tile])
+                plgpu.copy_smem_to_gmem(ml_smem.at[0], m_gmem.at[head, j, tile])
+                plgpu.copy_smem_to_gmem(ml_smem.at[1], l_gmem.at[head, j, tile])
                 plgpu.wait_smem_to_gmem(0)
 
             plgpu.emit_pipeline_warp_specialized(
@@ -143,11 +137,12 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
                     plgpu.BlockSpec((block_k, d), block, transforms=tf),
                 ],
                 wg_axis="wg",
-                num_compute_wgs=wgs,
+                num_compute_wgs=1,
                 max_concurrent_steps=ring,
                 compute_context=compute_context,
             )(k_gmem, v_gmem)
 
+    rows = chunks * WG_ROWS
     out_type = (
         jax.ShapeDtypeStruct((hkv, n_split, rows, d), jnp.bfloat16),
         jax.ShapeDtypeStruct((hkv, n_split, rows), jnp.float32),
@@ -158,12 +153,12 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
         out_type=out_type,
         grid=(hkv, chunks, n_split),
         grid_names=("h", "r", "s"),
-        num_threads=wgs + 1,
+        num_threads=2,
         thread_name="wg",
         scratch_types=dict(
-            q_smem=plgpu.SMEM((wgs, WG_ROWS, d), jnp.bfloat16, transforms=tf),
-            ml_smem=plgpu.SMEM((wgs, 2, WG_ROWS), jnp.float32),
-            q_bar=plgpu.Barrier(num_barriers=wgs),
+            q_smem=plgpu.SMEM((WG_ROWS, d), jnp.bfloat16, transforms=tf),
+            ml_smem=plgpu.SMEM((2, WG_ROWS), jnp.float32),
+            q_bar=plgpu.Barrier(),
         ),
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(start_arr, qt, k_cache.reshape(s_len, hkv * d), v_cache.reshape(s_len, hkv * d))

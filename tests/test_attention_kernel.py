@@ -163,22 +163,20 @@ def test_lowers_for_gpu(splits):
 @pytest.mark.skipif(not MOSAIC_GPU_TRACES, reason="the Mosaic GPU kernel traces on jax >= 0.11 only")
 def test_mosaic_split_kernel_is_the_gpu_default_and_lowers():
     """Compiled bf16 attention traces to the Mosaic GPU split kernel (then the Triton combine), and that kernel
-    lowers for CUDA on this machine for tiles of 1, 2 and 2 x 2 warpgroups, 2 / 4 / 10 / 16 rows per head and head_dim
-    64 / 128 / 256."""
+    lowers for CUDA on this machine for 1, 2 and 4 chunks (16 / 12 / 8 / 4 rows per head) and head_dim 64 / 128 /
+    256."""
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(16, 40, 128), (2048, 8, 128), (2048, 8, 128)]]
     fn = functools.partial(attention_kernel.attention, scale=128**-0.5, interpret=False)
     jaxpr = str(jax.make_jaxpr(fn)(*args, jnp.int32(0)))
     assert "jspec_attention_ws" in jaxpr and "jspec_attention_combine" in jaxpr
     assert "jspec_attention_split" not in jaxpr
     splits = attention_kernel.Splits(attention_kernel.NEAR_SPLIT, attention_kernel.SPLIT, attention_kernel.NEAR_UNTIL)
-    layouts = [(8, 2, 64, 16), (40, 8, 128, 16), (40, 8, 128, 2), (32, 2, 128, 16), (32, 2, 128, 10), (16, 2, 256, 4)]
-    for hq, hkv, d, head_rows in layouts:
-        shapes = [(head_rows, hq, d), (2048, hkv, d), (2048, hkv, d)]
-        args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+    for hq, hkv, d in [(8, 2, 64), (40, 8, 128), (28, 4, 128), (32, 2, 128), (16, 2, 256)]:
+        args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(ROW_TILE, hq, d), (2048, hkv, d), (2048, hkv, d)]]
         kernel = functools.partial(
             attention_ws.split_partials, scale=d**-0.5, splits=splits, block_k=64, ring=attention_ws.stages(64, d)
         )
-        text = jax.jit(kernel).trace(*args, jax.ShapeDtypeStruct((1,), jnp.int32)).lower(lowering_platforms=("cuda",))
+        text = jax.jit(kernel).trace(*args, jax.ShapeDtypeStruct((2,), jnp.int32)).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in text.as_text()
 
 
@@ -201,10 +199,10 @@ def test_rows_past_the_valid_ones_are_zero_and_the_rest_unchanged(backend):
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
 @pytest.mark.parametrize("hq, hkv, d", [(8, 2, 64), (40, 8, 128), (28, 4, 128), (32, 2, 128), (16, 2, 256)])
 def test_gpu_mosaic_rows_exact_across_the_split_boundary(hq, hkv, d):
-    """Query tiles of 1 (64 rows), 2 (80 / 112 rows padded to 128) and 2 x 2 (256 rows) warpgroups at 16 rows per
-    head, fewer at M < 16 (M rounded up to even rows per head: 5 heads x 2 rows take one warpgroup); positions
-    1017..1031 cross the near / far split boundary at 1024 and a block boundary, every M in 1..16. rows=r on a
-    full 16-row q: the first r rows equal the M = r call, the rest are zero."""
+    """Query tiles of 1 chunk (4 heads x 16 rows), 2 (5 x 12 and 5 x 4; 7 x 8 twice; 8 x 8 twice) and 4 (16 x 4
+    rows), of which a call runs those holding valid rows; positions 1017..1031 cross the near / far split boundary
+    at 1024 and a block boundary, every M in 1..16. rows=r on a full 16-row q: the first r rows equal the M = r
+    call, the rest are zero."""
     positions = list(range(attention_kernel.NEAR_UNTIL - 7, attention_kernel.NEAR_UNTIL + 8))
     _check_rows_exact(
         jnp.bfloat16, positions, range(1, ROW_TILE + 1), s_len=1280, hq=hq, hkv=hkv, d=d, interpret=False, mosaic=True
@@ -234,12 +232,13 @@ def test_gpu_mosaic_rows_exact_across_the_split_boundary(hq, hkv, d):
         ((4, 8, 48), (1024, 2, 48), jnp.float32, "powers of 2"),
         ((4, 8, 64), (1024, 2, 64), jnp.float32, "Mosaic GPU attention kernel takes bfloat16"),
         ((4, 8, 64), (1024, 2, 64), jnp.bfloat16, "in interpret mode"),
+        ((4, 66, 64), (1024, 2, 64), jnp.bfloat16, "at most 32 query heads per KV head"),
     ],
 )
 def test_rejects_bad_input(q_shape, cache_shape, dtype, match):
     q = jnp.zeros(q_shape, dtype)
     cache = jnp.zeros(cache_shape, dtype)
-    kw = dict(mosaic=True) if "Mosaic" in match or "interpret" in match else {}
+    kw = dict(mosaic=True) if any(word in match for word in ("Mosaic", "interpret", "query heads")) else {}
     with pytest.raises(ValueError, match=match):
         attention_kernel.attention(q, cache, cache, jnp.int32(0), scale=1.0, interpret=True, **kw)
 
@@ -310,7 +309,7 @@ def test_combine_never_reads_dead_splits(poison):
     """The partials of splits past start + 15 are never written; garbage there (NaN, inf) leaves every bit of the
     combine's output unchanged, and so does a combine step that holds only dead splits."""
     q_hist, k_hist, v_hist = _history(jnp.float32, seed=13, s_len=272)
-    start = jnp.array([40], jnp.int32)  # positions 40..55: splits 0..3 of 16 are live, 4..16 dead
+    start = jnp.array([40, ROW_TILE], jnp.int32)  # positions 40..55: splits 0..3 of 16 are live, 4..16 dead
     o, m, s = attention_kernel.split_partials(
         q_hist[40:56],
         k_hist,
@@ -328,7 +327,7 @@ def test_combine_never_reads_dead_splits(poison):
     bad = [jnp.where(dead[..., None], poison, o), jnp.where(dead, poison, m), jnp.where(dead, poison, s)]
     outs = []
     for chunk in (2, 8):
-        kw = dict(q_heads=HQ, head_rows=ROW_TILE, valid_rows=ROW_TILE, splits=attention_kernel.Splits(16, 16, 0))
+        kw = dict(q_heads=HQ, head_rows=ROW_TILE, chunk_rows=o.shape[2], splits=attention_kernel.Splits(16, 16, 0))
         kw.update(interpret=True, rows=2, chunk=chunk)
         kw.update(warps=4, stages=2)
         clean = attention_kernel.combine(start, o, m, s, **kw)
@@ -341,6 +340,39 @@ def test_combine_never_reads_dead_splits(poison):
     assert np.array_equal(bits(outs[1]), bits(call))
     ref = reference_attention(q_hist[40:56], k_hist, v_hist, start[0], scale=SCALE)
     np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+
+def test_combine_reads_the_chunked_layout_of_the_mosaic_kernel():
+    """The Mosaic GPU kernel's partials come in chunks of 64 rows with R rows per query head (`query_tile`). The
+    same partials moved from the Triton kernel's one-chunk layout into chunks of R = 2 / 6 / 12 rows per head
+    combine to the same bits for the valid rows (zeros past them), and `query_tile` puts each query row where the
+    chunk layout says."""
+    q_hist, k_hist, v_hist = _history(jnp.float32, seed=21)
+    q, start, valid = q_hist[1001 : 1001 + ROW_TILE], 1001, 11
+    start_arr = jnp.array([start, valid], jnp.int32)
+    splits = attention_kernel.Splits(attention_kernel.NEAR_SPLIT, attention_kernel.SPLIT, attention_kernel.NEAR_UNTIL)
+    kw = dict(interpret=True, fold_heads=True, block_k=64, splits=splits, num_warps=4, num_stages=1)
+    parts = attention_kernel.split_partials(q, k_hist, v_hist, start_arr, scale=SCALE, **kw)
+    combine_kw = dict(q_heads=HQ, splits=splits, interpret=True, rows=2, chunk=32, warps=4, stages=2)
+    one_chunk = attention_kernel.combine(
+        start_arr, *parts, head_rows=ROW_TILE, chunk_rows=parts[0].shape[2], **combine_kw
+    )
+    group = HQ // HKV
+    for per_head in (2, 6, 12):
+        chunks = -(-ROW_TILE // per_head)
+        tiles = np.asarray(attention_kernel.query_tile(q, HKV, per_head, 64))
+        source = np.zeros(chunks * 64, np.int64)  # chunk-layout slot -> one-chunk row (padding slots: row 0)
+        for c in range(chunks):
+            for g in range(group):
+                for r in range(per_head):
+                    if c * per_head + r < ROW_TILE:
+                        source[c * 64 + g * per_head + r] = g * ROW_TILE + c * per_head + r
+                        for h in range(HKV):
+                            want = np.asarray(q[c * per_head + r, h * group + g])
+                            assert np.array_equal(tiles[h, c * 64 + g * per_head + r], want)
+        moved = [p[:, :, source] for p in parts]
+        out = attention_kernel.combine(start_arr, *moved, head_rows=per_head, chunk_rows=64, **combine_kw)
+        assert np.array_equal(bits(out[:valid]), bits(one_chunk[:valid])) and not np.asarray(out[valid:]).any()
 
 
 def test_rejects_a_combine_chunk_that_is_not_a_power_of_2():
