@@ -338,7 +338,7 @@ def attention(
                 f"rows per head (group of {group} query heads)"
             )
     else:
-        tile = _tile_heads(q.shape[1] // k_cache.shape[1], fold_heads) * ROW_TILE
+        tile = _tile_heads(group, fold_heads) * ROW_TILE
         auto_block, auto_stages = split_tiles(tile, d, jnp.dtype(q.dtype).itemsize)
         block_k = block_k or auto_block
         num_stages = num_stages or auto_stages
