@@ -26,14 +26,13 @@ def attention(
     m, hq, _ = q.shape
     if m > _backend.ROW_TILE:
         raise ValueError(f"attention takes at most {_backend.ROW_TILE} query rows, got {m}")
-    if rows is not None and not 1 <= rows <= m:
-        raise ValueError(f"attention: rows={rows} valid rows must be in 1..{m} (the query rows given)")
+    rows = _backend.valid_rows(rows, m)
     if hq % k_cache.shape[1]:
         raise ValueError(f"query heads {hq} not a multiple of KV heads {k_cache.shape[1]}")
     name = _backend.get_backend()
     if name == "reference":
         out = reference_attention(q, k_cache, v_cache, start, scale=scale)
-        return out if rows is None else jnp.where((jnp.arange(m) < rows)[:, None, None], out, 0).astype(out.dtype)
+        return out if rows == m else jnp.where((jnp.arange(m) < rows)[:, None, None], out, 0).astype(out.dtype)
     from pallas_kernels import attention_kernel
 
     return attention_kernel.attention(q, k_cache, v_cache, start, scale=scale, interpret=name == "interpret", rows=rows)

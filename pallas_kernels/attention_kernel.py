@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as _pl_triton
 
 from pallas_kernels import attention_ws
-from pallas_kernels.backend import ROW_TILE
+from pallas_kernels.backend import ROW_TILE, valid_rows
 
 FOLD_HEADS = True  # one dot over all query heads of a KV head (heads padded to a power of 2); False: one per head
 # The flash-decoding partition (cache positions per split), a function of absolute position only: splits of
@@ -317,9 +317,7 @@ def attention(
     """
     _check_inputs(q, k_cache, v_cache)
     m, hq, d = q.shape
-    rows = m if rows is None else rows
-    if not 1 <= rows <= m:
-        raise ValueError(f"attention: rows={rows} valid rows must be in 1..{m} (the query rows given)")
+    rows = valid_rows(rows, m)
     group = hq // k_cache.shape[1]
     if mosaic is None:
         mosaic = not interpret and attention_ws.fits(q.dtype, d, group)

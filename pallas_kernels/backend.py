@@ -29,6 +29,14 @@ def first_rows(y: jax.Array, m: int) -> jax.Array:
     return y if m == y.shape[0] else jax.lax.optimization_barrier(y)[:m]
 
 
+def valid_rows(rows: int | None, m: int) -> int:
+    """The valid rows of an m-row query tile (None: all m); raises unless 1 <= rows <= m."""
+    rows = m if rows is None else rows
+    if not 1 <= rows <= m:
+        raise ValueError(f"attention: rows={rows} valid rows must be in 1..{m} (the query rows given)")
+    return rows
+
+
 _override: str | None = None
 
 
