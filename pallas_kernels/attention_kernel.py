@@ -297,6 +297,7 @@ def attention(
     combine_warps: int = COMBINE_WARPS,
     combine_stages: int = COMBINE_STAGES,
     mosaic: bool | None = None,
+    ctas: int | None = None,
 ) -> jax.Array:
     """q [M <= ROW_TILE, Hq, D] at positions start..start+M-1 (start: int32 scalar, may be traced); caches
     [S, Hkv, D] in q.dtype (float32 or bfloat16) -> [M, Hq, D] in q.dtype.
@@ -313,7 +314,8 @@ def attention(
     None: of `split` everywhere). mosaic: compute the partials with the warp-specialized Mosaic GPU kernel
     (`attention_ws`; GPU, bfloat16, head_dim 64/128/256) instead of the Triton one; None: whenever it fits (not in
     interpret mode). Of the split kernel's tuning arguments only block_k and num_stages (its ring depth) apply to it
-    (None: `attention_ws.BLOCK_K` and `attention_ws.stages`).
+    (None: `attention_ws.BLOCK_K` and `attention_ws.stages`), and it alone takes ctas, its CTAs per KV head (None:
+    `attention_ws.ctas_per_head`), which never changes the bits.
     """
     _check_inputs(q, k_cache, v_cache)
     m, hq, d = q.shape
@@ -335,6 +337,8 @@ def attention(
                 f"combine_rows {combine_rows} must divide the Mosaic GPU kernel's {attention_ws.head_rows(group)} "
                 f"rows per head (group of {group} query heads)"
             )
+    elif ctas is not None:
+        raise ValueError(f"attention: ctas={ctas} applies to the Mosaic GPU split kernel only")
     else:
         tile = _tile_heads(group, fold_heads) * ROW_TILE
         auto_block, auto_stages = split_tiles(tile, d, jnp.dtype(q.dtype).itemsize)
@@ -359,6 +363,7 @@ def attention(
         combine_warps=combine_warps,
         combine_stages=combine_stages,
         mosaic=mosaic,
+        ctas=ctas,
     )
     return out[:m]
 
@@ -378,6 +383,7 @@ def attention(
         "combine_warps",
         "combine_stages",
         "mosaic",
+        "ctas",
     ),
 )
 def _attention_tile(
@@ -398,12 +404,13 @@ def _attention_tile(
     combine_warps,
     combine_stages,
     mosaic,
+    ctas,
 ):
     """q [ROW_TILE, Hq, D] (rows padded), start_arr int32 [2] (start, valid rows) -> [ROW_TILE, Hq, D] in q.dtype,
     rows from the valid ones on zero."""
     if mosaic:
         parts = attention_ws.split_partials(
-            q, k_cache, v_cache, start_arr, scale=scale, splits=splits, block_k=block_k, ring=num_stages
+            q, k_cache, v_cache, start_arr, scale=scale, splits=splits, block_k=block_k, ring=num_stages, ctas=ctas
         )
     else:
         parts = split_partials(

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backend import ROW_TILE
+from pallas_kernels.backend import ROW_TILE, sm_count
 
 WG_ROWS = 64  # query rows per consumer warpgroup (the wgmma M)
 BLOCK_K = 64  # cache positions per pipeline step (default)
@@ -46,13 +46,24 @@ def head_rows(group: int) -> int:
     return min(ROW_TILE, WG_ROWS // group // 2 * 2)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "block_k", "ring"))
-def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ring):
+def ctas_per_head(hkv: int) -> int:
+    """CTAs per KV head: sm_count() // hkv (at least 1), so one wave of CTAs fills the GPU."""
+    return max(1, sm_count() // hkv)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "block_k", "ring", "ctas"))
+def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ring, ctas=None):
     """q [ROW_TILE, Hq, D] bf16 (row r at position start + r), caches [S, Hkv, D] bf16, start_arr int32 [2] =
     (start, valid rows) -> partials o [Hkv, NS, C * WG_ROWS, D] bf16, m and l [Hkv, NS, C * WG_ROWS] float32 in
     chunk layout (module docstring; C chunks of head_rows(group) rows per head). Splits past start + ROW_TILE - 1
     and chunks past the valid rows are not written. `splits` is the attention_kernel.Splits partition (split
-    sizes multiples of block_k); ring: pipeline depth (`stages` gives the default)."""
+    sizes multiples of block_k); ring: pipeline depth (`stages` gives the default); ctas: CTAs per KV head (None:
+    `ctas_per_head`).
+
+    Persistent grid: with L chunks holding a valid row, CTA c of a KV head computes chunk c % L of the live splits
+    s, s + n, s + 2 n, ... (s = c // L, n = ctas // L; CTAs with s >= n idle) one after another in one pipeline: a
+    split's state starts fresh at its first block and its partial is stored after its last. A split's blocks and
+    arithmetic do not depend on which CTA computes it or on what it computed before, so neither do its bits."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.attention_kernel import query_tile  # here: attention_kernel imports this module
@@ -63,28 +74,66 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
     per_head = head_rows(group)
     chunks = -(-ROW_TILE // per_head)
     n_split = splits.count(s_len)
+    ctas = ctas or ctas_per_head(hkv)
+    if ctas < chunks:
+        raise ValueError(f"attention: {ctas} CTAs per KV head cannot hold the {chunks} chunks of a row tile")
+    near_blocks, far_blocks = splits.size // block_k, splits.far_size // block_k
     qt = query_tile(q, hkv, per_head, WG_ROWS)
     tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     c = scale * _LOG2E
 
-    def jspec_attention_ws(start_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, q_smem, ml_smem, q_bar):
-        head, chunk, j = jax.lax.axis_index("h"), jax.lax.axis_index("r"), jax.lax.axis_index("s")
+    def jspec_attention_ws(start_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, q_smem, o_smem, ml_smem, q_bar):
+        head, cta = jax.lax.axis_index("h"), jax.lax.axis_index("c")
         start, valid = start_gmem[0], start_gmem[1]
         last = start + ROW_TILE - 1  # the last position any tile row attends
-        first = splits.first(j)
+        live = splits.live(last)  # splits 0 .. live - 1 hold a position <= last
+        live_chunks = jax.lax.div(valid + per_head - 1, per_head)
+        chunk, slot = jax.lax.rem(cta, live_chunks), jax.lax.div(cta, live_chunks)
+        slots = jax.lax.div(jnp.int32(ctas), live_chunks)  # CTAs per chunk
         chunk_start = start + chunk * per_head  # position of this chunk's tile row 0
+        # the last live split needs only its blocks up to the one holding `last`
+        last_blocks = jax.lax.div(last - splits.first(live - 1), block_k) + 1
 
-        @pl.when((first <= last) & (chunk * per_head < valid))
+        def count(total):  # how many of splits 0 .. total - 1 are this CTA's
+            return jnp.where(slot < slots, jnp.maximum(jax.lax.div(total - slot + slots - 1, slots), 0), 0)
+
+        items = count(live)
+        near_items = jnp.minimum(count(splits.near), items)  # the near splits come first
+        near_steps = near_items * near_blocks
+
+        def blocks_of(j, near):
+            full = jnp.where(near, near_blocks, far_blocks)
+            return jnp.where(j == live - 1, jnp.minimum(full, last_blocks), full)
+
+        def locate(t):
+            """Pipeline step t -> (split, its first position, block within it, its block count)."""
+            in_near = t < near_steps
+            far_t = jnp.maximum(t - near_steps, 0)
+            k = jnp.where(in_near, jax.lax.div(t, near_blocks), near_items + jax.lax.div(far_t, far_blocks))
+            b = jnp.where(in_near, jax.lax.rem(t, near_blocks), jax.lax.rem(far_t, far_blocks))
+            j = slot + k * slots
+            return j, splits.first(j), b, blocks_of(j, in_near)
+
+        # only the CTA's last split can be the truncated last live split
+        last_j = slot + (items - 1) * slots
+        last_near = items - 1 < near_items
+        full_last = jnp.where(last_near, near_blocks, far_blocks)
+        steps = near_steps + (items - near_items) * far_blocks - full_last + blocks_of(last_j, last_near)
+
+        @pl.when(items > 0)
         def _():
-            n_blocks = jnp.minimum(jax.lax.div(last - first, block_k) + 1, splits.blocks(j, block_k))
-            first_block = jax.lax.div(first, block_k)
-
-            def block(b):
-                return first_block + b, head
+            def block(t):
+                _, first, b, _ = locate(t)
+                return jax.lax.div(first, block_k) + b, head
 
             def body(idx, k_smem, v_smem, carry):
+                j, first, b, nb = locate(idx[0])
+                fresh = b == 0  # a split starts: fresh state (a select, not a branch: no wgmma under a branch)
                 acc, m, den = carry
-                base = first + idx[0] * block_k
+                acc = jnp.where(fresh, 0.0, acc)
+                m = jnp.where(fresh, -jnp.inf, m)
+                den = jnp.where(fresh, 0.0, den)
+                base = first + b * block_k
 
                 def qk(s_ref):
                     plgpu.wgmma(s_ref, q_smem, k_smem.transpose((1, 0)))
@@ -105,11 +154,24 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
                     plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), v_smem)
 
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+
+                @pl.when(b == nb - 1)  # the split ends: store its partial
+                def _():
+                    tile = pl.ds(chunk * WG_ROWS, WG_ROWS)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read o_smem, ml_smem
+                    inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)  # nothing visible: out = 0
+                    o_smem[...] = (acc * jax.lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
+                    ml_smem.at[0][...] = m_new
+                    ml_smem.at[1][...] = den
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[head, j, tile])
+                    plgpu.copy_smem_to_gmem(ml_smem.at[0], m_gmem.at[head, j, tile])
+                    plgpu.copy_smem_to_gmem(ml_smem.at[1], l_gmem.at[head, j, tile])
+
                 return acc, m_new, den
 
             def compute_context(eval_pipeline):
-                tile = pl.ds(chunk * WG_ROWS, WG_ROWS)
-                plgpu.copy_gmem_to_smem(q_gmem.at[head, tile], q_smem, q_bar)
+                plgpu.copy_gmem_to_smem(q_gmem.at[head, pl.ds(chunk * WG_ROWS, WG_ROWS)], q_smem, q_bar)
                 plgpu.barrier_wait(q_bar)
                 reduced = plgpu.Layout.WGMMA.reduce(1)
                 init = (
@@ -117,20 +179,12 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
                     plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), reduced),
                     plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), reduced),
                 )
-                acc, m, den = eval_pipeline(init)
-                inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)  # nothing visible: out = 0
-                q_smem[...] = (acc * jax.lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
-                ml_smem.at[0][...] = m
-                ml_smem.at[1][...] = den
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(q_smem, o_gmem.at[head, j, tile])
-                plgpu.copy_smem_to_gmem(ml_smem.at[0], m_gmem.at[head, j, tile])
-                plgpu.copy_smem_to_gmem(ml_smem.at[1], l_gmem.at[head, j, tile])
+                eval_pipeline(init)
                 plgpu.wait_smem_to_gmem(0)
 
             plgpu.emit_pipeline_warp_specialized(
                 body,
-                grid=(n_blocks,),
+                grid=(steps,),
                 memory_registers=40,
                 in_specs=[
                     plgpu.BlockSpec((block_k, d), block, transforms=tf),
@@ -151,12 +205,13 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
     return plgpu.kernel(
         jspec_attention_ws,
         out_type=out_type,
-        grid=(hkv, chunks, n_split),
-        grid_names=("h", "r", "s"),
+        grid=(hkv, ctas),
+        grid_names=("h", "c"),
         num_threads=2,
         thread_name="wg",
         scratch_types=dict(
             q_smem=plgpu.SMEM((WG_ROWS, d), jnp.bfloat16, transforms=tf),
+            o_smem=plgpu.SMEM((WG_ROWS, d), jnp.bfloat16, transforms=tf),
             ml_smem=plgpu.SMEM((2, WG_ROWS), jnp.float32),
             q_bar=plgpu.Barrier(),
         ),

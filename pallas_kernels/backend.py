@@ -16,6 +16,7 @@ import jax
 ROW_TILE = 16  # rows per tile: decode (M=1) and verify (M=k+1 <= ROW_TILE) run the same tile shapes
 
 BACKENDS = ("pallas", "interpret", "reference")
+H200_SMS = 132
 
 
 def first_rows(y: jax.Array, m: int) -> jax.Array:
@@ -27,6 +28,13 @@ def first_rows(y: jax.Array, m: int) -> jax.Array:
     consumer: the same shapes and the same graph in both steps, so the same fusion and the same bits.
     """
     return y if m == y.shape[0] else jax.lax.optimization_barrier(y)[:m]
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the default device (132 on the H200), which the persistent kernels size their
+    grids by; a device without a core count (the CPU, when lowering for CUDA there) gets the H200's 132. The grid
+    size never changes a kernel's bits."""
+    return int(getattr(jax.devices()[0], "core_count", H200_SMS))
 
 
 def valid_rows(rows: int | None, m: int) -> int:

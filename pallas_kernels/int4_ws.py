@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backend import ROW_TILE, first_rows
+from pallas_kernels.backend import ROW_TILE, first_rows, sm_count
 from pallas_kernels.int4 import BLOCK, Int4Weight, pack, unpack_codes
 from pallas_kernels.int4_matmul import _combine
 
@@ -151,11 +151,6 @@ def to_int4_weight(w: Int4Codes) -> Int4Weight:
 def fits(k: int, n: int, cfg: Config = Config()) -> bool:
     """Whether the kernel's tiles divide the shape (K as stored: padded_k of the weight's)."""
     return k % cfg.tile_k == 0 and n % cfg.tile_rows == 0
-
-
-def sm_count() -> int:
-    """Streaming multiprocessors of the default device (132 on the H200): the default CTA count."""
-    return int(jax.devices()[0].core_count)
 
 
 def partition(k: int, n: int, cfg: Config) -> Partition:

@@ -221,6 +221,28 @@ def test_gpu_mosaic_rows_exact_across_the_split_boundary(hq, hkv, d):
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
+@pytest.mark.parametrize("hq, hkv, d", [(40, 8, 128), (32, 2, 128)])
+def test_gpu_mosaic_bits_do_not_depend_on_the_cta_count(hq, hkv, d):
+    """The persistent grid with 4 CTAs per KV head (each computing many splits of 64 and 128 positions in one
+    pipeline, 1 to 4 chunks) gives the default grid's bits on every row, and stays row-exact across M."""
+    kw = dict(split=64, far_split=128, far_from=512, interpret=False, mosaic=True)
+    positions = list(range(1017, 1032))
+    _check_rows_exact(jnp.bfloat16, positions, (1, 5, 9, 16), s_len=1280, hq=hq, hkv=hkv, d=d, ctas=4, **kw)
+    q_hist, k_hist, v_hist = _history(jnp.bfloat16, s_len=1280, hq=hq, hkv=hkv, d=d)
+    for start, valid in [(0, 16), (70, 1), (700, 5), (1017, 16), (1020, 9)]:
+        q = q_hist[start : start + ROW_TILE]
+        few, default = (
+            np.asarray(
+                attention_kernel.attention(
+                    q, k_hist, v_hist, jnp.int32(start), rows=valid, scale=d**-0.5, ctas=ctas, **kw
+                )
+            )
+            for ctas in (4, None)
+        )
+        assert np.array_equal(bits(few), bits(default)), f"start={start} rows={valid}"
+
+
 @pytest.mark.parametrize(
     "q_shape, cache_shape, dtype, match",
     [
@@ -233,12 +255,16 @@ def test_gpu_mosaic_rows_exact_across_the_split_boundary(hq, hkv, d):
         ((4, 8, 64), (1024, 2, 64), jnp.float32, "Mosaic GPU attention kernel takes bfloat16"),
         ((4, 8, 64), (1024, 2, 64), jnp.bfloat16, "in interpret mode"),
         ((4, 66, 64), (1024, 2, 64), jnp.bfloat16, "at most 32 query heads per KV head"),
+        ((4, 8, 64), (1024, 2, 64), jnp.float32, "ctas=4 applies to the Mosaic GPU split kernel only"),
     ],
 )
 def test_rejects_bad_input(q_shape, cache_shape, dtype, match):
     q = jnp.zeros(q_shape, dtype)
     cache = jnp.zeros(cache_shape, dtype)
-    kw = dict(mosaic=True) if any(word in match for word in ("Mosaic", "interpret", "query heads")) else {}
+    kw = (
+        dict(mosaic=True) if any(word in match for word in ("Mosaic GPU attention", "interpret", "query heads")) else {}
+    )
+    kw.update(dict(ctas=4) if "ctas" in match else {})
     with pytest.raises(ValueError, match=match):
         attention_kernel.attention(q, cache, cache, jnp.int32(0), scale=1.0, interpret=True, **kw)
 
