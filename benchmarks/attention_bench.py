@@ -3,6 +3,7 @@
 Run from the repo root on the GPU:
     python3 benchmarks/attention_bench.py --commit <sha> --out $OUT/attention_h200.json [--variants NAME|JSON]
 (`--smoke` runs the same code paths on CPU with tiny shapes and the interpret-mode kernel, to debug the script.)
+`--replot results.json [--plots DIR]` only draws `attention.png` (bandwidth against context, ours and the peers).
 `--variants` is a preset name (`PRESETS`: "sweep" split sizes x one-pass combine tilings, the default; "far": short
 splits near the start and longer ones past a position; "default": the module defaults only) or a JSON list of
 `attention_kernel.attention` keyword dicts. `--sweep-budget-s` stops starting new variants, `--budget-s` skips the
@@ -311,15 +312,64 @@ def accuracy(st: Setup, params: dict, base, contexts) -> dict:
     return out
 
 
+def make_plot(report: dict, out_dir: str) -> str:
+    """attention.png: KV read bandwidth as % of the report's roofline against context, for ours, torch SDPA and XLA
+    jnp at each M of the table. Returns the file's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["table"]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for impl, label, style in [
+        ("pallas", "jspec (Pallas)", "-"),
+        ("torch_sdpa", "torch SDPA", "--"),
+        ("xla_jnp", "XLA jnp", ":"),
+    ]:
+        for m, color in zip(sorted({r["m"] for r in rows}), ("C0", "C1", "C2"), strict=False):
+            pts = [
+                (r["context"], 100 * r[f"{impl}_frac_roofline"])
+                for r in rows
+                if r["m"] == m and f"{impl}_frac_roofline" in r
+            ]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), style, marker="o", color=color, label=f"{label}, M={m}")
+    ax.axhline(70, color="red", linewidth=0.8, linestyle="--", label="target (70%)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (positions)")
+    ax.set_ylabel("% of HBM read roofline")
+    shape, roof = report["shape"], report["roofline"]["roofline_gbps"] / 1e3
+    ax.set_title(
+        f"Decode/verify attention, {shape['q_heads']}/{shape['kv_heads']} heads, head_dim {shape['head_dim']} "
+        f"(roofline {roof:.2f} TB/s, {report['commit']})"
+    )
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    path = os.path.join(out_dir, "attention.png")
+    os.makedirs(out_dir, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--commit", required=True)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--replot", metavar="RESULTS.json", help="only draw attention.png from a results JSON into --plots")
+    ap.add_argument("--plots", default="benchmarks/plots", help="directory for attention.png (needs matplotlib)")
+    ap.add_argument("--commit")
+    ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--variants", default="sweep", help="preset name or JSON list of attention keyword dicts")
     ap.add_argument("--sweep-budget-s", type=float, default=150.0, help="start no sweep variant after this many s")
     ap.add_argument("--budget-s", type=float, default=250.0, help="skip remaining table rows after this many s")
     args = ap.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            print(make_plot(json.load(f), args.plots))
+        return
+    if not (args.commit and args.out):
+        ap.error("--commit and --out are required (unless --replot)")
     st = Setup(args.smoke, parse_variants(args.variants, args.smoke))
     t_start = time.time()
     report = dict(

@@ -4,14 +4,15 @@ It computes the same partials as `attention_kernel._split_kernel` (per KV head a
 exp2 domain, out = acc / l in the cache dtype), and `attention_kernel.combine` merges them, so the partition, the
 combine and the exactness argument (attention_kernel's docstring) are shared. The ROW_TILE query rows of a KV
 head's `group` query heads are cut into chunks of R = `head_rows(group)` rows per head, one 64-row warpgroup tile
-each (slot g * R + r of chunk c is row c * R + r of the group's head g; slots past the heads are zero). One CTA
-per (KV head, chunk, split): a TMA warpgroup streams [block_k, head_dim] K and V blocks of the split through a
-`stages`-deep ring; a consumer warpgroup runs, per block, S = Q K^T (wgmma, float32), the mask and online softmax
-in registers, and acc += P V (wgmma, P bfloat16 from registers). Blocks past the last position any tile row
-attends are never loaded (the block count is dynamic); CTAs of splits past it, and of chunks holding no valid row
-(the valid row count is data, like the start), exit at once: a decode runs chunk 0 only. So decode and verify run
-one kernel on the same shapes, whatever M; they differ only in the data. GPU only (the Pallas Mosaic GPU API of
-jax >= 0.11).
+each (slot g * R + r of chunk c is row c * R + r of the group's head g; slots past the heads are zero).
+A persistent grid of `ctas_per_head` CTAs per KV head: each takes one chunk holding a valid row (the valid row
+count is data, like the start) and its share of the live splits, and runs them one after another in one pipeline:
+a TMA warpgroup streams their [block_k, head_dim] K and V blocks through a `stages`-deep ring; a consumer warpgroup
+runs, per block, S = Q K^T (wgmma, float32), the mask and online softmax in registers, and acc += P V (wgmma, P
+bfloat16 from registers), starting a split's state fresh at its first block and storing its partial after its
+last. Blocks past the last position any tile row attends are never loaded, and dead splits and chunks cost no CTA:
+a decode runs chunk 0 only. So decode and verify run one kernel on the same shapes, whatever M; they differ only
+in the data. GPU only (the Pallas Mosaic GPU API of jax >= 0.11).
 """
 
 from __future__ import annotations
