@@ -47,9 +47,10 @@ def head_rows(group: int) -> int:
     return min(ROW_TILE, WG_ROWS // group // 2 * 2)
 
 
-def ctas_per_head(hkv: int) -> int:
-    """CTAs per KV head: sm_count() // hkv (at least 1), so one wave of CTAs fills the GPU."""
-    return max(1, sm_count() // hkv)
+def ctas_per_head(hkv: int, work: int) -> int:
+    """CTAs per KV head: sm_count() // hkv (at least 1), so one wave of CTAs fills the GPU, and no more than `work`,
+    the (chunk, split) pairs a call on this cache can have live (a CTA past them would only start and exit)."""
+    return max(1, min(sm_count() // hkv, work))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "block_k", "ring", "ctas"))
@@ -59,7 +60,7 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
     chunk layout (module docstring; C chunks of head_rows(group) rows per head). Splits past start + ROW_TILE - 1
     and chunks past the valid rows are not written. `splits` is the attention_kernel.Splits partition (split
     sizes multiples of block_k); ring: pipeline depth (`stages` gives the default); ctas: CTAs per KV head (None:
-    `ctas_per_head`).
+    `ctas_per_head` of the cache's chunks x splits).
 
     Persistent grid: with L chunks holding a valid row, CTA c of a KV head computes chunk c % L of the live splits
     s, s + n, s + 2 n, ... (s = c // L, n = ctas // L; CTAs with s >= n idle) one after another in one pipeline: a
@@ -75,7 +76,7 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
     per_head = head_rows(group)
     chunks = -(-ROW_TILE // per_head)
     n_split = splits.count(s_len)
-    ctas = ctas or ctas_per_head(hkv)
+    ctas = ctas or ctas_per_head(hkv, chunks * n_split)
     if ctas < chunks:
         raise ValueError(f"attention: {ctas} CTAs per KV head cannot hold the {chunks} chunks of a row tile")
     near_blocks, far_blocks = splits.size // block_k, splits.far_size // block_k
@@ -102,8 +103,8 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
         near_items = jnp.minimum(count(splits.near), items)  # the near splits come first
         near_steps = near_items * near_blocks
 
-        def blocks_of(j, near):
-            full = jnp.where(near, near_blocks, far_blocks)
+        def blocks_of(j):  # blocks split j reads: all of them, but the last live split's up to `last`
+            full = splits.blocks(j, block_k)
             return jnp.where(j == live - 1, jnp.minimum(full, last_blocks), full)
 
         def locate(t):
@@ -113,13 +114,11 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
             k = jnp.where(in_near, jax.lax.div(t, near_blocks), near_items + jax.lax.div(far_t, far_blocks))
             b = jnp.where(in_near, jax.lax.rem(t, near_blocks), jax.lax.rem(far_t, far_blocks))
             j = slot + k * slots
-            return j, splits.first(j), b, blocks_of(j, in_near)
+            return j, splits.first(j), b, blocks_of(j)
 
         # only the CTA's last split can be the truncated last live split
         last_j = slot + (items - 1) * slots
-        last_near = items - 1 < near_items
-        full_last = jnp.where(last_near, near_blocks, far_blocks)
-        steps = near_steps + (items - near_items) * far_blocks - full_last + blocks_of(last_j, last_near)
+        steps = near_steps + (items - near_items) * far_blocks - splits.blocks(last_j, block_k) + blocks_of(last_j)
 
         @pl.when(items > 0)
         def _():
