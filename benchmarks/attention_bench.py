@@ -165,12 +165,17 @@ def hbm_roofline(st: Setup) -> dict:
 
 
 def make_caches(st: Setup, s_len: int, n: int, seed: int):
-    keys = jax.random.split(jax.random.PRNGKey(seed), 2 * n)
-    shape = (s_len, st.hkv, st.d)
-    return [
-        (jax.random.normal(keys[2 * i], shape, st.dtype), jax.random.normal(keys[2 * i + 1], shape, st.dtype))
-        for i in range(n)
-    ]
+    """n random kv caches [s_len, Hkv, 2, D]."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), n)
+    return [jax.random.normal(key, (s_len, st.hkv, 2, st.d), st.dtype) for key in keys]
+
+
+def torch_kv(kv, context: int):
+    """torch views (k, v) [1, Hkv, context, D] of a kv cache [S, Hkv, 2, D] (no copy, via DLPack)."""
+    import torch
+
+    t = torch.from_dlpack(kv)[:context]
+    return tuple(t[:, :, i].permute(1, 0, 2).unsqueeze(0) for i in range(2))
 
 
 def chain_plan(st: Setup, context: int):
@@ -182,15 +187,14 @@ def chain_plan(st: Setup, context: int):
 
 
 def time_jax_impl(st: Setup, impl, caches, context: int, m: int, chain: int) -> float:
-    """Seconds per attention call of impl(q, k, v, start) in a chain of `chain` dependent calls, compiled with the
+    """Seconds per attention call of impl(q, kv, start) in a chain of `chain` dependent calls, compiled with the
     XLA options an Engine uses (`jspec.compiler_options()`: on a GPU the chain launches as a CUDA graph, as torch's
     chain below does)."""
     start = jnp.int32(context - m)
 
     def run(q, caches):
         for i in range(chain):
-            k, v = caches[i % len(caches)]
-            q = impl(q, k, v, start)
+            q = impl(q, caches[i % len(caches)], start)
         return q
 
     q0 = jax.random.normal(jax.random.PRNGKey(1), (m, st.hq, st.d), st.dtype)
@@ -213,7 +217,7 @@ def time_torch(st: Setup, caches, context: int, m: int, chain: int) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
-    tcaches = [tuple(torch.from_dlpack(c)[:context].permute(1, 0, 2).unsqueeze(0) for c in pair) for pair in caches]
+    tcaches = [torch_kv(kv, context) for kv in caches]
     q = torch.randn(1, st.hq, m, st.d, device="cuda", dtype=torch.bfloat16)
     mask = causal_lower_right(m, context) if m > 1 else None
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
@@ -251,11 +255,10 @@ def torch_vs_pallas(st: Setup, params: dict, caches, context: int, m: int) -> fl
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
-    k, v = caches[0]
     q = jax.random.normal(jax.random.PRNGKey(2), (m, st.hq, st.d), st.dtype)
-    ours = np.asarray(pallas_impl(st, params)(q, k, v, jnp.int32(context - m)), np.float32)
+    ours = np.asarray(pallas_impl(st, params)(q, caches[0], jnp.int32(context - m)), np.float32)
     tq = torch.from_dlpack(q).permute(1, 0, 2).unsqueeze(0)
-    tk, tv = (torch.from_dlpack(c)[:context].permute(1, 0, 2).unsqueeze(0) for c in (k, v))
+    tk, tv = torch_kv(caches[0], context)
     mask = causal_lower_right(m, context) if m > 1 else None
     theirs = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, enable_gqa=True)
     theirs = theirs[0].permute(1, 0, 2).float().cpu().numpy()
@@ -264,7 +267,7 @@ def torch_vs_pallas(st: Setup, params: dict, caches, context: int, m: int) -> fl
 
 def exactness(st: Setup, params: dict, base, contexts) -> dict:
     """Per context: rows compared and rows differing (row r of (M, start) vs the M=1 call at start + r)."""
-    q_hist, k_base, v_base = base
+    q_hist, kv_base = base
     impl = pallas_impl(st, params)
 
     @jax.jit
@@ -272,11 +275,10 @@ def exactness(st: Setup, params: dict, base, contexts) -> dict:
         outs = []
         for m in range(1, ROW_TILE + 1):
             key = jax.random.fold_in(jax.random.PRNGKey(m), start)
-            noise = 30.0 * jax.random.normal(key, (2, 96, st.hkv, st.d), jnp.float32)
-            k = jax.lax.dynamic_update_slice(k_base, noise[0].astype(st.dtype), (start + m, 0, 0))
-            v = jax.lax.dynamic_update_slice(v_base, noise[1].astype(st.dtype), (start + m, 0, 0))
+            noise = 30.0 * jax.random.normal(key, (96, st.hkv, 2, st.d), jnp.float32)
+            kv = jax.lax.dynamic_update_slice(kv_base, noise.astype(st.dtype), (start + m, 0, 0, 0))
             q = jax.lax.dynamic_slice_in_dim(q_hist, start, m)
-            outs.append(impl(q, k, v, start))
+            outs.append(impl(q, kv, start))
         return outs
 
     result = {}
@@ -299,15 +301,15 @@ def exactness(st: Setup, params: dict, base, contexts) -> dict:
 
 def accuracy(st: Setup, params: dict, base, contexts) -> dict:
     """Max |pallas - jnp reference| (f32 compute) at M=16 per context."""
-    q_hist, k_base, v_base = base
+    q_hist, kv_base = base
     impl = jax.jit(pallas_impl(st, params))
     ref = jax.jit(ref_impl(st))
     out = {}
     for c in contexts:
         start = jnp.int32(c - ROW_TILE)
         q = q_hist[c - ROW_TILE : c]
-        a = np.asarray(impl(q, k_base, v_base, start), np.float32)
-        b = np.asarray(ref(q, k_base, v_base, start), np.float32)
+        a = np.asarray(impl(q, kv_base, start), np.float32)
+        b = np.asarray(ref(q, kv_base, start), np.float32)
         out[str(c)] = float(np.max(np.abs(a - b)))
     return out
 
@@ -428,11 +430,10 @@ def main():
         save()
 
     # 2. Exactness on the GPU, fastest variant first; the first exact one is selected.
-    kq, kk, kv = jax.random.split(jax.random.PRNGKey(7), 3)
+    kq, kkv = jax.random.split(jax.random.PRNGKey(7), 2)
     big = (
         jax.random.normal(kq, (st.s_big, st.hq, st.d), st.dtype),
-        jax.random.normal(kk, (st.s_big, st.hkv, st.d), st.dtype),
-        jax.random.normal(kv, (st.s_big, st.hkv, st.d), st.dtype),
+        jax.random.normal(kkv, (st.s_big, st.hkv, 2, st.d), st.dtype),
     )
     timed = [e for e in variants if "error" not in e and len(e["sweep_us"]) == len(st.sweep_contexts)]
     fastest = {c: min(e["sweep_us"][c] for e in timed) for c in (str(c) for c in st.sweep_contexts)} if timed else {}

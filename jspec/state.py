@@ -20,7 +20,8 @@ CACHE_MULTIPLE = 256  # physical cache length is a multiple of this (attention k
 class DecodeState:
     """State of one generation.
 
-    cache     family cache pytree: per attention layer (k, v) [S, Hkv, D]; recurrent families add their states.
+    cache     family cache pytree: per attention layer kv [S, Hkv, 2, D] (keys, values); recurrent families add
+              their states.
               S = physical_length(max_len): max_len plus ROW_TILE slack, so a full row tile written at any
               position < max_len never clamps.
     tokens    int32 [max_len + ROW_TILE]: prompt + generated tokens; tokens[position] is the pending token

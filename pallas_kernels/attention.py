@@ -14,9 +14,10 @@ from pallas_kernels import backend as _backend
 
 
 def attention(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array, *, scale: float, rows: int | None = None
+    q: jax.Array, kv_cache: jax.Array, start: jax.Array, *, scale: float, rows: int | None = None
 ) -> jax.Array:
-    """q [M <= ROW_TILE, Hq, D] at positions start..start+M-1; caches [S, Hkv, D]; -> [M, Hq, D] in q.dtype.
+    """q [M <= ROW_TILE, Hq, D] at positions start..start+M-1; kv_cache [S, Hkv, 2, D] (keys at [:, :, 0], values
+    at [:, :, 1]: one array, so a step writes its new rows with one update); -> [M, Hq, D] in q.dtype.
 
     Row r attends cache positions 0..start+r (the caller has written rows start..start+M-1 already).
     GQA: query head h uses KV head h // (Hq // Hkv). Softmax statistics in float32.
@@ -27,24 +28,25 @@ def attention(
     if m > _backend.ROW_TILE:
         raise ValueError(f"attention takes at most {_backend.ROW_TILE} query rows, got {m}")
     rows = _backend.valid_rows(rows, m)
-    if hq % k_cache.shape[1]:
-        raise ValueError(f"query heads {hq} not a multiple of KV heads {k_cache.shape[1]}")
+    _backend.kv_heads(hq, kv_cache)
     name = _backend.get_backend()
     if name == "reference":
-        out = reference_attention(q, k_cache, v_cache, start, scale=scale)
+        out = reference_attention(q, kv_cache, start, scale=scale)
         return out if rows == m else jnp.where((jnp.arange(m) < rows)[:, None, None], out, 0).astype(out.dtype)
     from pallas_kernels import attention_kernel
 
-    return attention_kernel.attention(q, k_cache, v_cache, start, scale=scale, interpret=name == "interpret", rows=rows)
+    return attention_kernel.attention(q, kv_cache, start, scale=scale, interpret=name == "interpret", rows=rows)
 
 
-def reference_attention(q, k_cache, v_cache, start, *, scale: float) -> jax.Array:
-    """jnp reference: rows padded to ROW_TILE, one fixed-shape computation over the whole cache, then slice.
+def reference_attention(q, kv_cache, start, *, scale: float) -> jax.Array:
+    """jnp reference (kv_cache [S, Hkv, 2, D]): rows padded to ROW_TILE, one fixed-shape computation over the whole
+    cache, then slice.
 
     Masked positions get probability exactly 0 (and their values are zeroed, so stale cache rows never leak).
     """
     m, hq, d = q.shape
-    s_len, hkv, _ = k_cache.shape
+    s_len, hkv, _, _ = kv_cache.shape
+    k_cache, v_cache = kv_cache[:, :, 0], kv_cache[:, :, 1]
     tile = _backend.ROW_TILE
     group = hq // hkv
     qp = jnp.pad(q, ((0, tile - m), (0, 0), (0, 0))).astype(jnp.float32).reshape(tile, hkv, group, d)

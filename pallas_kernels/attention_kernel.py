@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as _pl_triton
 
 from pallas_kernels import attention_ws
-from pallas_kernels.backend import ROW_TILE, valid_rows
+from pallas_kernels.backend import ROW_TILE, kv_heads, valid_rows
 
 FOLD_HEADS = True  # one dot over all query heads of a KV head (heads padded to a power of 2); False: one per head
 # The flash-decoding partition (cache positions per split), a function of absolute position only: splits of
@@ -119,9 +119,9 @@ def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _split_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale, slices, block_k, splits):
+def _split_kernel(start_ref, q_ref, kv_ref, o_ref, m_ref, l_ref, *, scale, slices, block_k, splits):
     """One (KV head, split) program. q_ref [rows, D]: row i is tile row i % R of query head i // R of this KV
-    head's group; k_ref/v_ref the whole cache [S, Hkv, D]; o_ref [rows, D] (q dtype), m_ref/l_ref [rows] float32.
+    head's group; kv_ref the whole cache [S, Hkv, 2, D]; o_ref [rows, D] (q dtype), m_ref/l_ref [rows] float32.
     `slices` (static) are the row ranges that each take one dot: all rows at once (heads folded) or one head each."""
     head, j = pl.program_id(0), pl.program_id(1)
     start = start_ref[0]
@@ -137,8 +137,8 @@ def _split_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale,
 
         def step(b, carry):
             base = first + b * block_k
-            kb = k_ref[pl.ds(base, block_k), head, :]
-            vb = v_ref[pl.ds(base, block_k), head, :]
+            kb = kv_ref[pl.ds(base, block_k), head, 0, :]
+            vb = kv_ref[pl.ds(base, block_k), head, 1, :]
             pos = (base + jnp.arange(block_k, dtype=jnp.int32))[None, :]
             new = []
             for q, limit, (m, den, acc) in zip(qs, limits, carry, strict=True):
@@ -245,22 +245,17 @@ def _compiler_params(interpret: bool, warps: int, stages: int):
     return None if interpret else _pl_triton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def _check_inputs(q, k_cache, v_cache):
-    if q.ndim != 3 or k_cache.ndim != 3:
-        raise ValueError(f"expected q [M, Hq, D] and caches [S, Hkv, D], got {q.shape} and {k_cache.shape}")
+def _check_inputs(q, kv_cache):
+    if q.ndim != 3:
+        raise ValueError(f"expected q [M, Hq, D], got {q.shape}")
     m, hq, d = q.shape
-    _, hkv, dk = k_cache.shape
+    kv_heads(hq, kv_cache)
     if not 1 <= m <= ROW_TILE:
         raise ValueError(f"attention takes 1..{ROW_TILE} query rows, got {m}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
-    if dk != d or hq % hkv:
-        raise ValueError(f"q {q.shape} does not fit caches {k_cache.shape} (head_dim, or heads not a multiple)")
-    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(
-            f"q, k_cache, v_cache must share one dtype of float32/bfloat16, got "
-            f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
-        )
+    if kv_cache.shape[3] != d:
+        raise ValueError(f"q {q.shape} does not fit kv_cache {kv_cache.shape} (head_dim)")
+    if q.dtype not in _DTYPES or kv_cache.dtype != q.dtype:
+        raise ValueError(f"q and kv_cache must share one dtype of float32/bfloat16, got {q.dtype} and {kv_cache.dtype}")
 
 
 def _check_tiles(d, s_len, block_k, splits: Splits, combine_rows, combine_chunk):
@@ -278,8 +273,7 @@ def _check_tiles(d, s_len, block_k, splits: Splits, combine_rows, combine_chunk)
 
 def attention(
     q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
+    kv_cache: jax.Array,
     start: jax.Array,
     *,
     scale: float,
@@ -299,8 +293,8 @@ def attention(
     mosaic: bool | None = None,
     ctas: int | None = None,
 ) -> jax.Array:
-    """q [M <= ROW_TILE, Hq, D] at positions start..start+M-1 (start: int32 scalar, may be traced); caches
-    [S, Hkv, D] in q.dtype (float32 or bfloat16) -> [M, Hq, D] in q.dtype.
+    """q [M <= ROW_TILE, Hq, D] at positions start..start+M-1 (start: int32 scalar, may be traced); kv_cache
+    [S, Hkv, 2, D] (keys, values) in q.dtype (float32 or bfloat16) -> [M, Hq, D] in q.dtype.
 
     rows (default M): only q rows 0..rows-1 are queries (a row tile's valid rows); the output's rows from `rows`
     on are zero. The count reaches the kernels as data, so every M and every rows run the same kernels on the
@@ -317,10 +311,10 @@ def attention(
     (None: `attention_ws.BLOCK_K` and `attention_ws.stages`), and it alone takes ctas, its CTAs per KV head (None:
     `attention_ws.ctas_per_head`), which never changes the bits.
     """
-    _check_inputs(q, k_cache, v_cache)
+    _check_inputs(q, kv_cache)
     m, hq, d = q.shape
     rows = valid_rows(rows, m)
-    group = hq // k_cache.shape[1]
+    group = hq // kv_cache.shape[1]
     if mosaic is None:
         mosaic = not interpret and attention_ws.fits(q.dtype, d, group)
     elif mosaic and (interpret or not attention_ws.fits(q.dtype, d, group)):
@@ -345,11 +339,10 @@ def attention(
         block_k = block_k or auto_block
         num_stages = num_stages or auto_stages
     splits = Splits(split, far_split, far_from) if far_split else Splits(split, split, 0)
-    _check_tiles(d, k_cache.shape[0], block_k, splits, combine_rows, combine_chunk)
+    _check_tiles(d, kv_cache.shape[0], block_k, splits, combine_rows, combine_chunk)
     out = _attention_tile(
         jnp.pad(q, ((0, ROW_TILE - m), (0, 0), (0, 0))),
-        k_cache,
-        v_cache,
+        kv_cache,
         jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(rows, jnp.int32)]),
         scale=float(scale),
         interpret=interpret,
@@ -388,8 +381,7 @@ def attention(
 )
 def _attention_tile(
     q,
-    k_cache,
-    v_cache,
+    kv_cache,
     start_arr,
     *,
     scale,
@@ -410,13 +402,12 @@ def _attention_tile(
     rows from the valid ones on zero."""
     if mosaic:
         parts = attention_ws.split_partials(
-            q, k_cache, v_cache, start_arr, scale=scale, splits=splits, block_k=block_k, ring=num_stages, ctas=ctas
+            q, kv_cache, start_arr, scale=scale, splits=splits, block_k=block_k, ring=num_stages, ctas=ctas
         )
     else:
         parts = split_partials(
             q,
-            k_cache,
-            v_cache,
+            kv_cache,
             start_arr,
             scale=scale,
             interpret=interpret,
@@ -430,7 +421,7 @@ def _attention_tile(
         start_arr,
         *parts,
         q_heads=q.shape[1],
-        head_rows=attention_ws.head_rows(q.shape[1] // k_cache.shape[1]) if mosaic else ROW_TILE,
+        head_rows=attention_ws.head_rows(q.shape[1] // kv_cache.shape[1]) if mosaic else ROW_TILE,
         chunk_rows=attention_ws.WG_ROWS if mosaic else parts[0].shape[2],
         splits=splits,
         interpret=interpret,
@@ -455,15 +446,13 @@ def query_tile(q: jax.Array, hkv: int, head_rows: int, chunk_rows: int) -> jax.A
     return qt.reshape(hkv, chunks * chunk_rows, d)
 
 
-def split_partials(
-    q, k_cache, v_cache, start_arr, *, scale, interpret, fold_heads, block_k, splits, num_warps, num_stages
-):
+def split_partials(q, kv_cache, start_arr, *, scale, interpret, fold_heads, block_k, splits, num_warps, num_stages):
     """q [ROW_TILE, Hq, D] (rows padded), start_arr int32 [2] (start, valid rows: this kernel computes every row)
     -> the split kernel's partials (o [Hkv, NS, T, D] in q.dtype, m [Hkv, NS, T], l [Hkv, NS, T] float32; T =
     padded heads x ROW_TILE rows, `query_tile` layout with one chunk). Splits past start_arr[0] + ROW_TILE - 1 are
     not written."""
     _, hq, d = q.shape
-    s_len, hkv, _ = k_cache.shape
+    s_len, hkv, _, _ = kv_cache.shape
     group = hq // hkv
     heads = _tile_heads(group, fold_heads)
     rows = heads * ROW_TILE
@@ -473,11 +462,11 @@ def split_partials(
     qt = query_tile(q, hkv, ROW_TILE, rows)
 
     scalar = pl.BlockSpec((1,), lambda *_: (0,))
-    whole_cache = pl.BlockSpec((s_len, hkv, d), lambda h, j: (0, 0, 0))
+    whole_cache = pl.BlockSpec((s_len, hkv, 2, d), lambda h, j: (0, 0, 0, 0))
     return pl.pallas_call(
         functools.partial(_split_kernel, scale=scale, slices=slices, block_k=block_k, splits=splits),
         grid=(hkv, n_split),
-        in_specs=[scalar, pl.BlockSpec((None, rows, d), lambda h, j: (h, 0, 0)), whole_cache, whole_cache],
+        in_specs=[scalar, pl.BlockSpec((None, rows, d), lambda h, j: (h, 0, 0)), whole_cache],
         out_specs=[
             pl.BlockSpec((None, None, rows, d), lambda h, j: (h, j, 0, 0)),
             pl.BlockSpec((None, None, rows), lambda h, j: (h, j, 0)),
@@ -491,7 +480,7 @@ def split_partials(
         compiler_params=_compiler_params(interpret, num_warps, num_stages),
         interpret=interpret,
         name="jspec_attention_split",
-    )(start_arr, qt, k_cache, v_cache)
+    )(start_arr, qt, kv_cache)
 
 
 def combine(

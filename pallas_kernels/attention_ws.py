@@ -54,8 +54,8 @@ def ctas_per_head(hkv: int, work: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "block_k", "ring", "ctas"))
-def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ring, ctas=None):
-    """q [ROW_TILE, Hq, D] bf16 (row r at position start + r), caches [S, Hkv, D] bf16, start_arr int32 [2] =
+def split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring, ctas=None):
+    """q [ROW_TILE, Hq, D] bf16 (row r at position start + r), kv_cache [S, Hkv, 2, D] bf16, start_arr int32 [2] =
     (start, valid rows) -> partials o [Hkv, NS, C * WG_ROWS, D] bf16, m and l [Hkv, NS, C * WG_ROWS] float32 in
     chunk layout (module docstring; C chunks of head_rows(group) rows per head). Splits past start + ROW_TILE - 1
     and chunks past the valid rows are not written. `splits` is the attention_kernel.Splits partition (split
@@ -71,7 +71,7 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
     from pallas_kernels.attention_kernel import query_tile  # here: attention_kernel imports this module
 
     _, hq, d = q.shape
-    s_len, hkv, _ = k_cache.shape
+    s_len, hkv, _, _ = kv_cache.shape
     group = hq // hkv
     per_head = head_rows(group)
     chunks = -(-ROW_TILE // per_head)
@@ -84,7 +84,7 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
     tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     c = scale * _LOG2E
 
-    def jspec_attention_ws(start_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, q_smem, o_smem, ml_smem, q_bar):
+    def jspec_attention_ws(start_gmem, q_gmem, kv_gmem, o_gmem, m_gmem, l_gmem, q_smem, o_smem, ml_smem, q_bar):
         head, cta = jax.lax.axis_index("h"), jax.lax.axis_index("c")
         start, valid = start_gmem[0], start_gmem[1]
         last = start + ROW_TILE - 1  # the last position any tile row attends
@@ -122,9 +122,9 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
 
         @pl.when(items > 0)
         def _():
-            def block(t):
+            def block(t, kv):  # the cache viewed [S, Hkv * 2 * D]: head h's keys are column block 2 h, values 2 h + 1
                 _, first, b, _ = locate(t)
-                return jax.lax.div(first, block_k) + b, head
+                return jax.lax.div(first, block_k) + b, 2 * head + kv
 
             def body(idx, k_smem, v_smem, carry):
                 j, first, b, nb = locate(idx[0])
@@ -187,14 +187,14 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
                 grid=(steps,),
                 memory_registers=40,
                 in_specs=[
-                    plgpu.BlockSpec((block_k, d), block, transforms=tf),
-                    plgpu.BlockSpec((block_k, d), block, transforms=tf),
+                    plgpu.BlockSpec((block_k, d), lambda t: block(t, 0), transforms=tf),
+                    plgpu.BlockSpec((block_k, d), lambda t: block(t, 1), transforms=tf),
                 ],
                 wg_axis="wg",
                 num_compute_wgs=1,
                 max_concurrent_steps=ring,
                 compute_context=compute_context,
-            )(k_gmem, v_gmem)
+            )(kv_gmem, kv_gmem)
 
     rows = chunks * WG_ROWS
     out_type = (
@@ -216,4 +216,4 @@ def split_partials(q, k_cache, v_cache, start_arr, *, scale, splits, block_k, ri
             q_bar=plgpu.Barrier(),
         ),
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )(start_arr, qt, k_cache.reshape(s_len, hkv * d), v_cache.reshape(s_len, hkv * d))
+    )(start_arr, qt, kv_cache.reshape(s_len, hkv * 2 * d))

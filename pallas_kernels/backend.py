@@ -45,6 +45,17 @@ def valid_rows(rows: int | None, m: int) -> int:
     return rows
 
 
+def kv_heads(q_heads: int, kv_cache: jax.Array) -> int:
+    """The KV heads of an attention cache kv_cache [S, Hkv, 2, D] (keys at [:, :, 0], values at [:, :, 1]) serving
+    q_heads query heads; raises for another shape, or for query heads that are not a multiple of them."""
+    if kv_cache.ndim != 4 or kv_cache.shape[2] != 2:
+        raise ValueError(f"attention: expected kv_cache [S, Hkv, 2, D] (keys, values), got {kv_cache.shape}")
+    hkv = kv_cache.shape[1]
+    if q_heads % hkv:
+        raise ValueError(f"attention: query heads {q_heads} not a multiple of KV heads {hkv}")
+    return hkv
+
+
 _override: str | None = None
 
 

@@ -27,38 +27,40 @@ SCALE = D**-0.5
 
 
 def _history(dtype, seed=0, s_len=S, hq=HQ, hkv=HKV, d=D):
-    """True per-position queries [S, Hq, D] and caches [S, Hkv, D] (random, O(1), in dtype)."""
-    kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
+    """True per-position queries [S, Hq, D] and the kv cache [S, Hkv, 2, D] (random, O(1), in dtype)."""
+    kq, kkv = jax.random.split(jax.random.PRNGKey(seed), 2)
     q = jax.random.normal(kq, (s_len, hq, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(kk, (s_len, hkv, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, (s_len, hkv, d), jnp.float32).astype(dtype)
-    return q, k, v
+    kv = jax.random.normal(kkv, (s_len, hkv, 2, d), jnp.float32).astype(dtype)
+    return q, kv
+
+
+def _rows_from(position, s_len):
+    """bool [S, 1, 1, 1]: the cache rows at positions >= position."""
+    return (jnp.arange(s_len) >= position)[:, None, None, None]
 
 
 def _with_stale(cache, start, m, seed):
     """The cache as one call at `start` with m rows sees it: rows >= start + m hold other (large, finite) data."""
     noise = 30.0 * jax.random.normal(jax.random.PRNGKey(seed), cache.shape, jnp.float32)
-    stale = jnp.arange(cache.shape[0])[:, None, None] >= start + m
-    return jnp.where(stale, noise.astype(cache.dtype), cache)
+    return jnp.where(_rows_from(start + m, cache.shape[0]), noise.astype(cache.dtype), cache)
 
 
-def _call(q_hist, k_hist, v_hist, start, m, seed, interpret=True, **kw):
+def _call(q_hist, kv_hist, start, m, seed, interpret=True, **kw):
     """attention on rows start..start+m-1 of the history, with call-specific stale data past them."""
-    k = _with_stale(k_hist, start, m, seed)
-    v = _with_stale(v_hist, start, m, seed + 1)
+    kv = _with_stale(kv_hist, start, m, seed)
     q = q_hist[start : start + m]
     scale = q.shape[-1] ** -0.5
-    return np.asarray(attention_kernel.attention(q, k, v, jnp.int32(start), scale=scale, interpret=interpret, **kw))
+    return np.asarray(attention_kernel.attention(q, kv, jnp.int32(start), scale=scale, interpret=interpret, **kw))
 
 
 def _check_rows_exact(dtype, positions, ms, s_len=S, hq=HQ, hkv=HKV, d=D, **kw):
     """Every row of every (M, start) call covering `positions` equals the M=1 call at that row's position."""
-    q_hist, k_hist, v_hist = _history(dtype, s_len=s_len, hq=hq, hkv=hkv, d=d)
-    decode = {t: _call(q_hist, k_hist, v_hist, t, 1, seed=1000 + t, **kw)[0] for t in positions}
+    q_hist, kv_hist = _history(dtype, s_len=s_len, hq=hq, hkv=hkv, d=d)
+    decode = {t: _call(q_hist, kv_hist, t, 1, seed=1000 + t, **kw)[0] for t in positions}
     lo, hi = min(positions), max(positions)
     for m in ms:
         for start in range(max(lo - m + 1, 0), hi - m + 2, max(1, m // 3)):
-            rows = _call(q_hist, k_hist, v_hist, start, m, seed=7 * start + m, **kw)
+            rows = _call(q_hist, kv_hist, start, m, seed=7 * start + m, **kw)
             for r in range(m):
                 t = start + r
                 if t in decode:
@@ -67,15 +69,14 @@ def _check_rows_exact(dtype, positions, ms, s_len=S, hq=HQ, hkv=HKV, d=D, **kw):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_matches_reference(dtype):
-    q_hist, k_hist, v_hist = _history(dtype, seed=3)
+    q_hist, kv_hist = _history(dtype, seed=3)
     tol = 2e-5 if dtype == jnp.float32 else 2e-2
     reference = jax.jit(functools.partial(reference_attention, scale=SCALE))
     for m, start in [(1, 0), (16, 0), (5, 63), (16, 500), (1, 511), (5, 512), (16, S - ROW_TILE)]:
-        k = _with_stale(k_hist, start, ROW_TILE, seed=start)
-        v = _with_stale(v_hist, start, ROW_TILE, seed=start + 1)
+        kv = _with_stale(kv_hist, start, ROW_TILE, seed=start)
         q = q_hist[start : start + m]
-        out = attention_kernel.attention(q, k, v, jnp.int32(start), scale=SCALE, interpret=True)
-        ref = reference(q, k, v, jnp.int32(start))
+        out = attention_kernel.attention(q, kv, jnp.int32(start), scale=SCALE, interpret=True)
+        ref = reference(q, kv, jnp.int32(start))
         assert out.shape == (m, HQ, D) and out.dtype == dtype
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
 
@@ -102,53 +103,58 @@ def test_rows_exact_small_partition(fold_heads):
         split=32,
         fold_heads=fold_heads,
     )
-    q_hist, k_hist, v_hist = _history(jnp.float32, s_len=272, hq=6)
+    q_hist, kv_hist = _history(jnp.float32, s_len=272, hq=6)
     q, start = q_hist[40:56], jnp.int32(40)
     out = attention_kernel.attention(
-        q, k_hist, v_hist, start, scale=SCALE, interpret=True, block_k=16, split=32, fold_heads=fold_heads
+        q, kv_hist, start, scale=SCALE, interpret=True, block_k=16, split=32, fold_heads=fold_heads
     )
-    ref = reference_attention(q, k_hist, v_hist, start, scale=SCALE)
+    ref = reference_attention(q, kv_hist, start, scale=SCALE)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
 def test_rows_exact_under_jit():
     """Inside jit (as the model calls it) the pad and slice around the kernel must not change row bits."""
-    q_hist, k_hist, v_hist = _history(jnp.bfloat16, seed=5)
+    q_hist, kv_hist = _history(jnp.bfloat16, seed=5)
     t0 = 509
-    k = _with_stale(k_hist, t0 + ROW_TILE, 0, seed=9)  # one cache for all calls: true rows up to t0 + 15
-    v = _with_stale(v_hist, t0 + ROW_TILE, 0, seed=10)
+    kv = _with_stale(kv_hist, t0 + ROW_TILE, 0, seed=9)  # one cache for all calls: true rows up to t0 + 15
     run = jax.jit(functools.partial(attention_kernel.attention, scale=SCALE, interpret=True))
-    decode = {t0 + r: np.asarray(run(q_hist[t0 + r : t0 + r + 1], k, v, jnp.int32(t0 + r)))[0] for r in range(16)}
+    decode = {t0 + r: np.asarray(run(q_hist[t0 + r : t0 + r + 1], kv, jnp.int32(t0 + r)))[0] for r in range(16)}
     for m in (3, 16):
-        rows = np.asarray(run(q_hist[t0 : t0 + m], k, v, jnp.int32(t0)))
+        rows = np.asarray(run(q_hist[t0 : t0 + m], kv, jnp.int32(t0)))
         for r in range(m):
             assert np.array_equal(bits(rows[r]), bits(decode[t0 + r])), f"M={m} row {r}"
 
 
 def test_blocks_past_the_tile_are_never_read():
     """NaN in every block after the one holding start + 15 leaves the output finite and unchanged."""
-    q_hist, k_hist, v_hist = _history(jnp.float32, seed=7)
+    q_hist, kv_hist = _history(jnp.float32, seed=7)
     start = 600  # tile covers 600..615, inside block 576..639; blocks from 640 on are never read
-    poison = jnp.arange(S)[:, None, None] >= 640
     q = q_hist[start : start + 4]
-    clean = attention_kernel.attention(q, k_hist, v_hist, jnp.int32(start), scale=SCALE, interpret=True)
-    k_bad, v_bad = jnp.where(poison, jnp.nan, k_hist), jnp.where(poison, jnp.nan, v_hist)
-    dirty = attention_kernel.attention(q, k_bad, v_bad, jnp.int32(start), scale=SCALE, interpret=True)
+    clean = attention_kernel.attention(q, kv_hist, jnp.int32(start), scale=SCALE, interpret=True)
+    kv_bad = jnp.where(_rows_from(640, S), jnp.nan, kv_hist)
+    dirty = attention_kernel.attention(q, kv_bad, jnp.int32(start), scale=SCALE, interpret=True)
     assert np.array_equal(bits(clean), bits(dirty))
 
 
+def test_dispatch_rejects_a_cache_that_is_not_one_kv_array():
+    q_hist, kv_hist = _history(jnp.float32, seed=11)
+    for backend in ("interpret", "reference"):
+        with use_backend(backend), pytest.raises(ValueError, match=r"kv_cache \[S, Hkv, 2, D\]"):
+            dispatch_attention(q_hist[:4], kv_hist[:, :, 0], jnp.int32(0), scale=SCALE)
+
+
 def test_dispatch_uses_kernel_in_interpret_backend():
-    q_hist, k_hist, v_hist = _history(jnp.float32, seed=11)
+    q_hist, kv_hist = _history(jnp.float32, seed=11)
     q = q_hist[100:108]
-    direct = attention_kernel.attention(q, k_hist, v_hist, jnp.int32(100), scale=SCALE, interpret=True)
+    direct = attention_kernel.attention(q, kv_hist, jnp.int32(100), scale=SCALE, interpret=True)
     with use_backend("interpret"):
-        routed = dispatch_attention(q, k_hist, v_hist, jnp.int32(100), scale=SCALE)
+        routed = dispatch_attention(q, kv_hist, jnp.int32(100), scale=SCALE)
     assert np.array_equal(bits(direct), bits(routed))
 
 
 def _lowered_for_cuda(**kw) -> str:
     """The compiled path for the 14B shape (40 / 8 heads, head_dim 128, bf16), lowered for CUDA on this machine."""
-    shapes = [((16, 40, 128), jnp.bfloat16), ((2048, 8, 128), jnp.bfloat16), ((2048, 8, 128), jnp.bfloat16)]
+    shapes = [((16, 40, 128), jnp.bfloat16), ((2048, 8, 2, 128), jnp.bfloat16)]
     args = [jax.ShapeDtypeStruct(s, t) for s, t in shapes] + [jax.ShapeDtypeStruct((), jnp.int32)]
     fn = jax.jit(functools.partial(attention_kernel.attention, scale=128**-0.5, interpret=False, **kw))
     return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -165,14 +171,14 @@ def test_mosaic_split_kernel_is_the_gpu_default_and_lowers():
     """Compiled bf16 attention traces to the Mosaic GPU split kernel (then the Triton combine), and that kernel
     lowers for CUDA on this machine for 1, 2 and 4 chunks (16 / 12 / 8 / 4 rows per head) and head_dim 64 / 128 /
     256."""
-    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(16, 40, 128), (2048, 8, 128), (2048, 8, 128)]]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(16, 40, 128), (2048, 8, 2, 128)]]
     fn = functools.partial(attention_kernel.attention, scale=128**-0.5, interpret=False)
     jaxpr = str(jax.make_jaxpr(fn)(*args, jnp.int32(0)))
     assert "jspec_attention_ws" in jaxpr and "jspec_attention_combine" in jaxpr
     assert "jspec_attention_split" not in jaxpr
     splits = attention_kernel.Splits(attention_kernel.NEAR_SPLIT, attention_kernel.SPLIT, attention_kernel.NEAR_UNTIL)
     for hq, hkv, d in [(8, 2, 64), (40, 8, 128), (28, 4, 128), (32, 2, 128), (16, 2, 256)]:
-        args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(ROW_TILE, hq, d), (2048, hkv, d), (2048, hkv, d)]]
+        args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(ROW_TILE, hq, d), (2048, hkv, 2, d)]]
         kernel = functools.partial(
             attention_ws.split_partials, scale=d**-0.5, splits=splits, block_k=64, ring=attention_ws.stages(64, d)
         )
@@ -183,17 +189,17 @@ def test_mosaic_split_kernel_is_the_gpu_default_and_lowers():
 @pytest.mark.parametrize("backend", ["interpret", "reference"])
 def test_rows_past_the_valid_ones_are_zero_and_the_rest_unchanged(backend):
     """rows=r: rows 0..r-1 bit-equal to the call on those rows alone, the rest of the tile exactly zero."""
-    q_hist, k_hist, v_hist = _history(jnp.float32, seed=5)
+    q_hist, kv_hist = _history(jnp.float32, seed=5)
     start = 1017
     q = q_hist[start : start + ROW_TILE]
     with use_backend(backend):
         for valid in (1, 4, 7):
-            out = np.asarray(dispatch_attention(q, k_hist, v_hist, jnp.int32(start), scale=SCALE, rows=valid))
-            alone = np.asarray(dispatch_attention(q[:valid], k_hist, v_hist, jnp.int32(start), scale=SCALE))
+            out = np.asarray(dispatch_attention(q, kv_hist, jnp.int32(start), scale=SCALE, rows=valid))
+            alone = np.asarray(dispatch_attention(q[:valid], kv_hist, jnp.int32(start), scale=SCALE))
             assert out.shape == q.shape
             assert np.array_equal(bits(out[:valid]), bits(alone)) and not out[valid:].any()
         with pytest.raises(ValueError, match="valid rows"):
-            dispatch_attention(q, k_hist, v_hist, jnp.int32(start), scale=SCALE, rows=ROW_TILE + 1)
+            dispatch_attention(q, kv_hist, jnp.int32(start), scale=SCALE, rows=ROW_TILE + 1)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
@@ -207,17 +213,17 @@ def test_gpu_mosaic_rows_exact_across_the_split_boundary(hq, hkv, d):
     _check_rows_exact(
         jnp.bfloat16, positions, range(1, ROW_TILE + 1), s_len=1280, hq=hq, hkv=hkv, d=d, interpret=False, mosaic=True
     )
-    q_hist, k_hist, v_hist = _history(jnp.bfloat16, s_len=1280, hq=hq, hkv=hkv, d=d)
+    q_hist, kv_hist = _history(jnp.bfloat16, s_len=1280, hq=hq, hkv=hkv, d=d)
     q = q_hist[1017 : 1017 + ROW_TILE]
     for valid in (1, 3, 8):
         kw = dict(scale=d**-0.5, interpret=False, mosaic=True)
-        out = np.asarray(attention_kernel.attention(q, k_hist, v_hist, jnp.int32(1017), rows=valid, **kw))
-        alone = np.asarray(attention_kernel.attention(q[:valid], k_hist, v_hist, jnp.int32(1017), **kw))
+        out = np.asarray(attention_kernel.attention(q, kv_hist, jnp.int32(1017), rows=valid, **kw))
+        alone = np.asarray(attention_kernel.attention(q[:valid], kv_hist, jnp.int32(1017), **kw))
         assert np.array_equal(bits(out[:valid]), bits(alone)) and not out[valid:].any()
     for start in (0, 61, 1020):
         q = q_hist[start : start + ROW_TILE]
-        out = attention_kernel.attention(q, k_hist, v_hist, jnp.int32(start), scale=d**-0.5, interpret=False)
-        ref = reference_attention(q, k_hist, v_hist, jnp.int32(start), scale=d**-0.5)
+        out = attention_kernel.attention(q, kv_hist, jnp.int32(start), scale=d**-0.5, interpret=False)
+        ref = reference_attention(q, kv_hist, jnp.int32(start), scale=d**-0.5)
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2, rtol=2e-2)
 
 
@@ -229,14 +235,12 @@ def test_gpu_mosaic_bits_do_not_depend_on_the_cta_count(hq, hkv, d):
     kw = dict(split=64, far_split=128, far_from=512, interpret=False, mosaic=True)
     positions = list(range(1017, 1032))
     _check_rows_exact(jnp.bfloat16, positions, (1, 5, 9, 16), s_len=1280, hq=hq, hkv=hkv, d=d, ctas=4, **kw)
-    q_hist, k_hist, v_hist = _history(jnp.bfloat16, s_len=1280, hq=hq, hkv=hkv, d=d)
+    q_hist, kv_hist = _history(jnp.bfloat16, s_len=1280, hq=hq, hkv=hkv, d=d)
     for start, valid in [(0, 16), (70, 1), (700, 5), (1017, 16), (1020, 9)]:
         q = q_hist[start : start + ROW_TILE]
         few, default = (
             np.asarray(
-                attention_kernel.attention(
-                    q, k_hist, v_hist, jnp.int32(start), rows=valid, scale=d**-0.5, ctas=ctas, **kw
-                )
+                attention_kernel.attention(q, kv_hist, jnp.int32(start), rows=valid, scale=d**-0.5, ctas=ctas, **kw)
             )
             for ctas in (4, None)
         )
@@ -246,16 +250,18 @@ def test_gpu_mosaic_bits_do_not_depend_on_the_cta_count(hq, hkv, d):
 @pytest.mark.parametrize(
     "q_shape, cache_shape, dtype, match",
     [
-        ((17, 8, 64), (1024, 2, 64), jnp.float32, "query rows"),
-        ((4, 6, 64), (1024, 4, 64), jnp.float32, "heads"),
-        ((4, 8, 32), (1024, 2, 64), jnp.float32, "head_dim"),
-        ((4, 8, 64), (1000, 2, 64), jnp.float32, "cache length"),
-        ((4, 8, 64), (1024, 2, 64), jnp.float16, "dtype"),
-        ((4, 8, 48), (1024, 2, 48), jnp.float32, "powers of 2"),
-        ((4, 8, 64), (1024, 2, 64), jnp.float32, "Mosaic GPU attention kernel takes bfloat16"),
-        ((4, 8, 64), (1024, 2, 64), jnp.bfloat16, "in interpret mode"),
-        ((4, 66, 64), (1024, 2, 64), jnp.bfloat16, "at most 32 query heads per KV head"),
-        ((4, 8, 64), (1024, 2, 64), jnp.float32, "ctas=4 applies to the Mosaic GPU split kernel only"),
+        ((17, 8, 64), (1024, 2, 2, 64), jnp.float32, "query rows"),
+        ((4, 6, 64), (1024, 4, 2, 64), jnp.float32, "heads"),
+        ((4, 8, 64), (1024, 2, 64), jnp.float32, r"kv_cache \[S, Hkv, 2, D\]"),
+        ((4, 8, 64), (1024, 2, 3, 64), jnp.float32, r"kv_cache \[S, Hkv, 2, D\]"),
+        ((4, 8, 32), (1024, 2, 2, 64), jnp.float32, "head_dim"),
+        ((4, 8, 64), (1000, 2, 2, 64), jnp.float32, "cache length"),
+        ((4, 8, 64), (1024, 2, 2, 64), jnp.float16, "dtype"),
+        ((4, 8, 48), (1024, 2, 2, 48), jnp.float32, "powers of 2"),
+        ((4, 8, 64), (1024, 2, 2, 64), jnp.float32, "Mosaic GPU attention kernel takes bfloat16"),
+        ((4, 8, 64), (1024, 2, 2, 64), jnp.bfloat16, "in interpret mode"),
+        ((4, 66, 64), (1024, 2, 2, 64), jnp.bfloat16, "at most 32 query heads per KV head"),
+        ((4, 8, 64), (1024, 2, 2, 64), jnp.float32, "ctas=4 applies to the Mosaic GPU split kernel only"),
     ],
 )
 def test_rejects_bad_input(q_shape, cache_shape, dtype, match):
@@ -266,7 +272,7 @@ def test_rejects_bad_input(q_shape, cache_shape, dtype, match):
     )
     kw.update(dict(ctas=4) if "ctas" in match else {})
     with pytest.raises(ValueError, match=match):
-        attention_kernel.attention(q, cache, cache, jnp.int32(0), scale=1.0, interpret=True, **kw)
+        attention_kernel.attention(q, cache, jnp.int32(0), scale=1.0, interpret=True, **kw)
 
 
 def test_split_tiles_fit_the_budget_and_keep_the_measured_default():
@@ -321,12 +327,12 @@ def test_rows_exact_with_longer_splits_far_out():
     # splits of 32 up to position 64, then of 64: positions 52..140 cross the 64 and 128 boundaries
     kw = dict(s_len=272, block_k=16, split=32, far_split=64, far_from=64)
     _check_rows_exact(jnp.float32, list(range(52, 141)), [1, 3, 16], **kw)
-    q_hist, k_hist, v_hist = _history(jnp.float32, s_len=272)
+    q_hist, kv_hist = _history(jnp.float32, s_len=272)
     q, start = q_hist[120:136], jnp.int32(120)
     out = attention_kernel.attention(
-        q, k_hist, v_hist, start, scale=SCALE, interpret=True, block_k=16, split=32, far_split=64, far_from=64
+        q, kv_hist, start, scale=SCALE, interpret=True, block_k=16, split=32, far_split=64, far_from=64
     )
-    ref = reference_attention(q, k_hist, v_hist, start, scale=SCALE)
+    ref = reference_attention(q, kv_hist, start, scale=SCALE)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
@@ -334,12 +340,11 @@ def test_rows_exact_with_longer_splits_far_out():
 def test_combine_never_reads_dead_splits(poison):
     """The partials of splits past start + 15 are never written; garbage there (NaN, inf) leaves every bit of the
     combine's output unchanged, and so does a combine step that holds only dead splits."""
-    q_hist, k_hist, v_hist = _history(jnp.float32, seed=13, s_len=272)
+    q_hist, kv_hist = _history(jnp.float32, seed=13, s_len=272)
     start = jnp.array([40, ROW_TILE], jnp.int32)  # positions 40..55: splits 0..3 of 16 are live, 4..16 dead
     o, m, s = attention_kernel.split_partials(
         q_hist[40:56],
-        k_hist,
-        v_hist,
+        kv_hist,
         start,
         scale=SCALE,
         interpret=True,
@@ -361,10 +366,10 @@ def test_combine_never_reads_dead_splits(poison):
         assert np.all(np.isfinite(np.asarray(dirty))) and np.array_equal(bits(clean), bits(dirty)), chunk
         outs.append(clean)
     call = attention_kernel.attention(
-        q_hist[40:56], k_hist, v_hist, start[0], scale=SCALE, interpret=True, combine_chunk=8, block_k=16, split=16
+        q_hist[40:56], kv_hist, start[0], scale=SCALE, interpret=True, combine_chunk=8, block_k=16, split=16
     )
     assert np.array_equal(bits(outs[1]), bits(call))
-    ref = reference_attention(q_hist[40:56], k_hist, v_hist, start[0], scale=SCALE)
+    ref = reference_attention(q_hist[40:56], kv_hist, start[0], scale=SCALE)
     np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
@@ -373,12 +378,12 @@ def test_combine_reads_the_chunked_layout_of_the_mosaic_kernel():
     same partials moved from the Triton kernel's one-chunk layout into chunks of R = 2 / 6 / 12 rows per head
     combine to the same bits for the valid rows (zeros past them), and `query_tile` puts each query row where the
     chunk layout says."""
-    q_hist, k_hist, v_hist = _history(jnp.float32, seed=21)
+    q_hist, kv_hist = _history(jnp.float32, seed=21)
     q, start, valid = q_hist[1001 : 1001 + ROW_TILE], 1001, 11
     start_arr = jnp.array([start, valid], jnp.int32)
     splits = attention_kernel.Splits(attention_kernel.NEAR_SPLIT, attention_kernel.SPLIT, attention_kernel.NEAR_UNTIL)
     kw = dict(interpret=True, fold_heads=True, block_k=64, splits=splits, num_warps=4, num_stages=1)
-    parts = attention_kernel.split_partials(q, k_hist, v_hist, start_arr, scale=SCALE, **kw)
+    parts = attention_kernel.split_partials(q, kv_hist, start_arr, scale=SCALE, **kw)
     combine_kw = dict(q_heads=HQ, splits=splits, interpret=True, rows=2, chunk=32, warps=4, stages=2)
     one_chunk = attention_kernel.combine(
         start_arr, *parts, head_rows=ROW_TILE, chunk_rows=parts[0].shape[2], **combine_kw
@@ -402,6 +407,6 @@ def test_combine_reads_the_chunked_layout_of_the_mosaic_kernel():
 
 
 def test_rejects_a_combine_chunk_that_is_not_a_power_of_2():
-    q, cache = jnp.zeros((4, 8, 64), jnp.float32), jnp.zeros((1024, 2, 64), jnp.float32)
+    q, cache = jnp.zeros((4, 8, 64), jnp.float32), jnp.zeros((1024, 2, 2, 64), jnp.float32)
     with pytest.raises(ValueError, match="combine_chunk 12 must be"):
-        attention_kernel.attention(q, cache, cache, jnp.int32(0), scale=1.0, interpret=True, combine_chunk=12)
+        attention_kernel.attention(q, cache, jnp.int32(0), scale=1.0, interpret=True, combine_chunk=12)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config import ModelConfig
+from jspec.models.dense import kv_cache
 from jspec.models.layers import logits as logits_from_hidden
 from jspec.models.mtp import mtp_layer
 from jspec.state import DecodeState, physical_length
@@ -46,11 +47,10 @@ class MTPDrafter:
         # Chain steps write a row tile at up to position max_len - 1 + (ROW_TILE - 2): room for that tile too.
         length_rows = physical_length(state.max_len + ROW_TILE)
         positions = jnp.arange(t, dtype=jnp.int32)
-        shape = (length_rows, cfg.num_kv_heads, cfg.head_dim)
         hidden, caches, carry = prompt_hidden, [], []
         for i in range(num_layers):
             tokens = jax.lax.dynamic_slice_in_dim(state.tokens, i + 1, t)  # the token at t + i + 1 for row t
-            empty = (jnp.zeros(shape, hidden.dtype), jnp.zeros(shape, hidden.dtype))
+            empty = kv_cache(cfg, length_rows, hidden.dtype)
             chain, _, cache = mtp_layer(params, cfg, hidden, tokens, positions, empty, None, i)
             caches.append(cache)
             if i + 1 < num_layers:  # layer i+1's first round needs layer i's output at position length - 1 - (i+1)

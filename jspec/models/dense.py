@@ -6,7 +6,7 @@ Params (a plain dict pytree; every linear weight is dense [K, N] or an int4 `Int
   layers[i]: input_norm [H], qkv [H, (Hq + 2 Hkv) D], qkv_bias, o [Hq D, H], o_bias, post_attn_norm [H],
              gate_up [H, 2I] ([gate | up]), gate_up_bias, down [I, H], down_bias,
              glm4 only: post_self_attn_norm [H], post_mlp_norm [H]
-Cache: one (k, v) pair per layer, each [S, Hkv, D] in the activation dtype.
+Cache: one kv array per layer, [S, Hkv, 2, D] in the activation dtype (keys at [:, :, 0], values at [:, :, 1]).
 """
 
 from __future__ import annotations
@@ -19,9 +19,13 @@ from jspec.models.layers import apply_rope, rms_norm, swiglu_mlp
 from pallas_kernels import attention, causal_attention, linear
 
 
+def kv_cache(cfg: ModelConfig, length: int, dtype) -> jax.Array:
+    """An empty attention cache of `length` positions: [length, Hkv, 2, D] (keys, values) in dtype."""
+    return jnp.zeros((length, cfg.num_kv_heads, 2, cfg.head_dim), dtype)
+
+
 def init_cache(cfg: ModelConfig, length: int, dtype) -> tuple:
-    shape = (length, cfg.num_kv_heads, cfg.head_dim)
-    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+    return tuple(kv_cache(cfg, length, dtype) for _ in range(cfg.num_layers))
 
 
 def _project_qkv(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
@@ -51,13 +55,12 @@ def cached_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array,
     if cache is None:
         return causal_attention(q, k, v, scale=scale), None
     row = 0 if start is None else start
-    k_cache = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (row, 0, 0))
-    v_cache = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (row, 0, 0))
+    cache = jax.lax.dynamic_update_slice(cache, jnp.stack([k, v], axis=2).astype(cache.dtype), (row, 0, 0, 0))
     if start is None:
         out = causal_attention(q, k, v, scale=scale)
     else:
-        out = attention(q, k_cache, v_cache, start, scale=scale, rows=rows)
-    return out, (k_cache, v_cache)
+        out = attention(q, cache, start, scale=scale, rows=rows)
+    return out, cache
 
 
 def layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache, start, rows=None):

@@ -11,7 +11,7 @@ Params (a plain dict pytree; every linear weight is dense [K, N] or an int4 `Int
   Gated DeltaNet: in_proj [H, 2 Kd + 2 Vd + 2 nv] = [q | k | v | z | b | a] (Kd = nk dk, Vd = nv dv; q/k/v are
              the conv channels), conv [W, 2 Kd + Vd] (tap W-1 = current input), A_log [nv] float32,
              dt_bias [nv] float32, gdn_norm [dv], out [Vd, H]
-Cache, one entry per layer: full attention (k, v) [S, Hkv, D] in the activation dtype; Gated DeltaNet
+Cache, one entry per layer: full attention kv [S, Hkv, 2, D] (keys, values) in the activation dtype; Gated DeltaNet
   {"conv": [R, W-1, 2 Kd + Vd] activation dtype, "ssm": float32 [R, nv, dk, dv]} with R = ROW_TILE candidate slots:
   slot `state.slot` holds the committed state; a row-tile step advances `rows` positions from it and leaves the
   post-state after row i in slot i (prefill leaves its final state in slot 0), so `commit` rolls back by selecting.
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config import ModelConfig
-from jspec.models.dense import cached_attention
+from jspec.models.dense import cached_attention, kv_cache
 from jspec.models.layers import apply_rope, rms_norm, swiglu_mlp
 from pallas_kernels import ROW_TILE, linear
 from pallas_kernels.recurrent import causal_conv, chunk_gated_delta, conv_window, gdn_rows, l2_normalize
@@ -48,10 +48,9 @@ def _mlp_block(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 def init_cache(cfg: ModelConfig, length: int, dtype) -> tuple:
     _, _, conv_dim = _dims(cfg)
-    kv_shape = (length, cfg.num_kv_heads, cfg.head_dim)
     ssm_shape = (ROW_TILE, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     return tuple(
-        (jnp.zeros(kv_shape, dtype), jnp.zeros(kv_shape, dtype))
+        kv_cache(cfg, length, dtype)
         if kind == FULL
         else dict(
             conv=jnp.zeros((ROW_TILE, cfg.linear_conv_kernel_dim - 1, conv_dim), dtype),
