@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -47,6 +48,23 @@ def test_verify_rows_equal_decode_other_families(family, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_verify_rows_equal_decode_int4(dtype):
     _check_rows("qwen2", dtype, (1, 7, 15), int4=True)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "glm4"])
+def test_a_step_writes_each_layer_cache_with_one_update(family):
+    """Keys and values share one array per layer, so decode and verify each write a layer's new rows with one
+    dynamic_update_slice of that array (XLA then runs one cache-write fusion per layer, not one per K and V)."""
+    cfg, params = _model(family, "float32")
+    state = init_state(cfg, MAX_LEN, jnp.float32)
+    cache_shape = state.cache[0].shape
+    assert cache_shape == (physical_length(MAX_LEN), cfg.num_kv_heads, 2, cfg.head_dim)
+    draft = jnp.arange(3, dtype=jnp.int32)
+    for step in (lambda s: jspec.decode_step(params, cfg, s), lambda s: jspec.verify_step(params, cfg, s, draft)):
+        eqns = jax.make_jaxpr(step)(state).eqns
+        writes = [
+            e for e in eqns if e.primitive.name == "dynamic_update_slice" and e.outvars[0].aval.shape == cache_shape
+        ]
+        assert len(writes) == cfg.num_layers
 
 
 def _prefilled(cfg, params):
