@@ -24,18 +24,18 @@ def attention(
     rows (static, default M): only rows 0..rows-1 are queries (a row tile's valid rows); the output's rows from
     `rows` on are zero, and a kernel may skip them.
     """
+    name = _backend.get_backend()
+    if name != "reference":  # the kernel checks its inputs itself
+        from pallas_kernels import attention_kernel
+
+        return attention_kernel.attention(q, kv_cache, start, scale=scale, interpret=name == "interpret", rows=rows)
     m, hq, _ = q.shape
     if m > _backend.ROW_TILE:
         raise ValueError(f"attention takes at most {_backend.ROW_TILE} query rows, got {m}")
     rows = _backend.valid_rows(rows, m)
     _backend.kv_heads(hq, kv_cache)
-    name = _backend.get_backend()
-    if name == "reference":
-        out = reference_attention(q, kv_cache, start, scale=scale)
-        return out if rows == m else jnp.where((jnp.arange(m) < rows)[:, None, None], out, 0).astype(out.dtype)
-    from pallas_kernels import attention_kernel
-
-    return attention_kernel.attention(q, kv_cache, start, scale=scale, interpret=name == "interpret", rows=rows)
+    out = reference_attention(q, kv_cache, start, scale=scale)
+    return out if rows == m else jnp.where((jnp.arange(m) < rows)[:, None, None], out, 0).astype(out.dtype)
 
 
 def reference_attention(q, kv_cache, start, *, scale: float) -> jax.Array:
