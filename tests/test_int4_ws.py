@@ -2,6 +2,8 @@
 codes and round trip, the prefill product, which weights `prepare_ws` hands over, the errors on CPU backends, the
 Engine's choice; plus the kernel's row-exactness when a GPU is present (it has no interpret mode)."""
 
+import dataclasses
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -43,8 +45,12 @@ def test_codes_are_q_minus_8_in_stored_order_and_round_trip():
 def test_codes_pad_k_to_the_k_tile_with_zero_codes_and_scales():
     w = _weight(288, 128, seed=12)  # K = 9 blocks of 32: padded to 512
     c = prepare_codes(w)
-    assert c.shape == (288, 128) and c.codes.shape == (128, 512) and c.scales.shape == (128, 16)
-    assert not np.asarray(c.codes[:, 288:].astype(jnp.int32)).any() and not np.asarray(c.scales[:, 9:]).any()
+    assert c.shape == (288, 128) and c.codes.shape == (128, 512) and c.scales.shape == (2, 128, 8)  # step-major
+    assert not np.asarray(c.codes[:, 288:].astype(jnp.int32)).any() and not np.asarray(c.scales[1, :, 1:]).any()
+    # scales[i, n, g] is row n's block 8 i + g: step 0 holds blocks 0..7, step 1 block 8 then the zero padding
+    assert np.array_equal(bits(c.scales[0]), bits(w.scales[:, :8])) and np.array_equal(
+        bits(c.scales[1, :, 0]), bits(w.scales[:, 8])
+    )
     assert c.nbytes == w.nbytes * 512 // 288 and ws_prep_nbytes({"w": w}) == c.nbytes + 3 * 512 * 128
     back = to_int4_weight(c)
     assert np.array_equal(np.asarray(back.packed), np.asarray(w.packed))
@@ -164,6 +170,7 @@ def test_kernel_index_arithmetic_has_no_floor_division_sign_corrections():
     "config",
     [
         int4_ws.Config(),
+        int4_ws.Config(chunks=1),
         int4_ws.Config(ctas=7, min_steps=1),
         int4_ws.Config(ctas=4, min_steps=1),
         int4_ws.Config(ctas=7, min_steps=1, chunks=4),
@@ -185,3 +192,18 @@ def test_gpu_row_exact_and_close_to_the_reference(config, k):
         assert np.array_equal(bits(y), bits(ys[-1][:m])), f"row mismatch between M={m} and M=16"
     dense = np.asarray(x, np.float32) @ np.asarray(dequantize(w, jnp.bfloat16), np.float32)
     np.testing.assert_allclose(ys[-1], dense, rtol=0, atol=1e-4 * np.max(np.abs(dense)))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
+def test_gpu_k_chunks_do_not_change_the_bits():
+    # chunks only reorder conversion against the asynchronous wgmma: the same wgmma instructions accumulate in the
+    # same k order, so 1, 2 and 4 chunks per step give the same bits (two partitions: one and several segments)
+    k, n = 1280, 512
+    c = prepare_codes(_weight(k, n, seed=10))
+    x = jnp.asarray(np.random.default_rng(11).standard_normal((16, k)), jnp.bfloat16)
+    for base in (int4_ws.Config(), int4_ws.Config(ctas=7, min_steps=1)):
+        ys = [
+            np.asarray(int4_ws.rows_matmul(x, c, config=dataclasses.replace(base, chunks=chunks)))
+            for chunks in (1, 2, 4)
+        ]
+        assert all(np.array_equal(bits(y), bits(ys[0])) for y in ys[1:])
