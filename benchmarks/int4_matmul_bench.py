@@ -14,6 +14,8 @@ the warp-specialized Mosaic GPU kernel (`pallas_kernels.int4_ws`, on its prepare
 too. Timing: each measured executable runs the op on R distinct weight copies back to back (R * bytes >= 128 MB,
 twice the 60 MB L2, R <= 8); executables are dispatched 10 at a time and blocked on once, so host overhead stays
 hidden; per-call time is the median over repeats of (batch time / 10 / R).
+On the GPU the int4 kernels' own time per call (XLA profiler events) is reported next to it (`m{M}_kernel_s`):
+inside a model's step the segment sum fuses into the next op, so the kernel alone is what a step pays.
 torch is timed the same way through a CUDA graph of R calls. The naive dequantize-then-dot is timed at M=1 only.
 `--sweep` times alternative tile configurations of the kernel at M=16 (used to pick the defaults).
 """
@@ -35,7 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jspec.bench import torch_median  # noqa: E402
+from jspec.bench import kernel_times, profile, torch_median  # noqa: E402
 from pallas_kernels import int4_matmul, int4_ws  # noqa: E402
 from pallas_kernels.int4 import BLOCK, Int4Weight, dequantize  # noqa: E402
 
@@ -121,10 +123,24 @@ def int4_bytes(k: int, n: int) -> int:
     return n * k // 2 + 2 * n * k // BLOCK
 
 
-def time_calls(op, x, weights, repeats: int) -> float:
-    """Per-call seconds of op(x, w) over the weight copies, all in one executable."""
+def time_calls(op, x, weights, repeats: int, kernel: bool = False):
+    """Per-call seconds of op(x, w) over the weight copies, all in one executable. kernel=True: (those seconds,
+    the seconds of the int4 kernels alone per call, from the XLA profiler: None off the GPU), which leave out
+    what the standalone op adds around the kernel (the pad of x to 16 rows, the segment sum, the slice to M)."""
     f = jax.jit(lambda x, ws: [op(x, w) for w in ws])
-    return jax_time(f, x, weights, repeats=repeats) / len(weights)
+    seconds = jax_time(f, x, weights, repeats=repeats) / len(weights)
+    if not kernel:
+        return seconds
+    if jax.default_backend() != "gpu":
+        return seconds, None
+    calls = 3
+    try:
+        groups = kernel_times(profile(lambda: jax.block_until_ready([f(x, weights) for _ in range(calls)])), calls)
+    except Exception as e:  # the profiler is an add-on (another tool may hold CUPTI): say so, keep the timing
+        print(f"  profiler failed, no kernel-alone time: {e!r}"[:300], flush=True)
+        return seconds, None
+    int4_us = sum(us for name, us in groups["groups_us"].items() if name.startswith("int4"))
+    return seconds, int4_us / 1e6 / len(weights)
 
 
 def exactness(op, x16, w, ms=tuple(range(1, 17))) -> dict:
@@ -204,7 +220,7 @@ def bench_shape(key, k, n, variants: dict, sweep: dict, repeats: int, peers: boo
             outputs[name] = y
             r["max_abs_err_vs_naive"] = float(np.max(np.abs(y - ref)))
             for m in MS if name in variants else (16,):
-                r[f"m{m}_s"] = time_calls(op, x16[:m], ws, repeats)
+                r[f"m{m}_s"], r[f"m{m}_kernel_s"] = time_calls(op, x16[:m], ws, repeats, kernel=True)
             del ws
         except Exception as e:
             r["error"] = "".join(traceback.format_exception_only(e))[-2000:]
@@ -241,12 +257,12 @@ def summarize(results: dict, roof: float) -> list[str]:
             if "error" in v:
                 lines.append(f"{shape:24s} {name:28s} ERROR {v['error'].splitlines()[-1][:120]}")
                 continue
-            cells = []
-            for m in MS:
-                t = v.get(f"m{m}_s")
-                cells.append(f"{t * 1e6:7.1f}us {100 * nb / t / roof:5.1f}%" if t else " " * 16)
             ex = {True: "yes", False: "NO"}.get(v.get("row_exact"), "-")
-            lines.append(f"{shape:24s} {name:28s} {ex:5s} " + " ".join(cells))
+            for label, suffix in ((name, "_s"), (name + " (kernel alone)", "_kernel_s")):
+                times = [v.get(f"m{m}{suffix}") for m in MS]
+                if any(times):
+                    cells = [f"{t * 1e6:7.1f}us {100 * nb / t / roof:5.1f}%" if t else " " * 16 for t in times]
+                    lines.append(f"{shape:24s} {label:28s} {ex:5s} " + " ".join(cells))
     return lines
 
 
