@@ -186,6 +186,7 @@ class Options:
     repeats: int = 2  # end-to-end runs per (prompt, configuration); the median is reported
     reps: int = 20  # step calls per timing trial
     trials: int = 5
+    warmup_s: float = 0.5  # seconds of untimed step calls before a step's trials (at least one call)
     roofline_bytes: int = 2 << 30
     lm_head: str = "int4"
     o_factor: float = 0.0
@@ -243,6 +244,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
             repeats=1,
             reps=2,
             trials=2,
+            warmup_s=0.0,
             roofline_bytes=8 << 20,
             compile_threads=2,
         )
@@ -638,12 +640,17 @@ def profile(run: Callable[[], None]):
         return jax.profiler.ProfileData.from_file(str(path))
 
 
-def _time_chain(fn, params, state, extra: tuple, reps: int, trials: int):
+def _time_chain(fn, params, state, extra: tuple, reps: int, trials: int, warmup_s: float):
     """Seconds per call of state, out = fn(params, state, *extra) chained (state donated): median over trials of
-    `reps` back-to-back calls, after one warm-up call. Returns (median, all trial times, the GPU kernel times of
-    3 more calls under the XLA profiler (`kernel_times`; None off the GPU))."""
-    state, out = fn(params, state, *extra)
-    jax.block_until_ready(out)
+    `reps` back-to-back calls, after `warmup_s` seconds of untimed calls (at least one: on the H200 the first timed
+    trials of a step ran up to 30% slow after a single warm-up call, KERNEL_NOTES). Returns (median, all trial
+    times, the GPU kernel times of 3 more calls under the XLA profiler (`kernel_times`; None off the GPU))."""
+    end = time.perf_counter() + warmup_s
+    while True:
+        state, out = fn(params, state, *extra)
+        jax.block_until_ready(out)
+        if time.perf_counter() >= end:
+            break
     times = []
     for _ in range(trials):
         t0 = time.perf_counter()
@@ -711,7 +718,7 @@ def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: t
     def timed(exec_, extra: tuple, weights=params) -> dict:
         state = copy_tree(base)
         count = ctx.compiles.count
-        seconds, times, kernels = _time_chain(exec_, weights, state, extra, opts.reps, opts.trials)
+        seconds, times, kernels = _time_chain(exec_, weights, state, extra, opts.reps, opts.trials, opts.warmup_s)
         entry["compiles_during_timing"] += ctx.compiles.count - count
         read = nbytes if weights is params else step_bytes(weights, cfg, base, ROW_TILE)
         out = {"time_s": seconds, "trial_times_s": times, "bytes": read, "achieved_Bps": read["total"] / seconds}

@@ -212,6 +212,15 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             u = lo + jnp.minimum(j, count - 1)
             return _div(u, steps), jax.lax.rem(u, steps)
 
+        def scaled_chunk(q, s_smem, ch):
+            """Chunk ch of the step's codes q -> bf16 [wg_rows, chunk_k] weights (codes x scales), wgmma layout."""
+            w = _as_wgmma(q[:, ch * chunk_k : (ch + 1) * chunk_k].astype(jnp.bfloat16))
+            parts = []
+            for g in range(chunk_k // BLOCK):
+                sg = plgpu.load(s_smem.at[rows, ch * chunk_k // BLOCK + g], layout=row_layout)
+                parts.append(w[:, g * BLOCK : (g + 1) * BLOCK] * jax.lax.broadcast_in_dim(sg, (wg_rows, BLOCK), [0]))
+            return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
         def body(idx, c_smem, s_smem, x_smem, acc_ref):
             j = idx[0]
             t, ks = unit(j)
@@ -222,16 +231,7 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             acc_ref[...] = jnp.where((ks == 0) | (j == 0), jnp.float32(0), acc_ref[...])
             q = plgpu.load(c_smem.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X)
             for ch in range(cfg.chunks):
-                cols = slice(ch * chunk_k, (ch + 1) * chunk_k)
-                w = _as_wgmma(q[:, cols].astype(jnp.bfloat16))
-                parts = []
-                for g in range(chunk_k // BLOCK):
-                    sg = plgpu.load(s_smem.at[rows, ch * chunk_k // BLOCK + g], layout=row_layout)
-                    parts.append(
-                        w[:, g * BLOCK : (g + 1) * BLOCK] * jax.lax.broadcast_in_dim(sg, (wg_rows, BLOCK), [0])
-                    )
-                wd = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-                plgpu.wgmma(acc_ref, wd, x_smem.at[:, cols].T)
+                plgpu.wgmma(acc_ref, scaled_chunk(q, s_smem, ch), x_smem.at[:, ch * chunk_k : (ch + 1) * chunk_k].T)
             plgpu.wgmma_wait(0)
 
             @pl.when((j < count) & ((ks == steps - 1) | (j == count - 1)))  # a segment ends: store its partial
@@ -243,6 +243,10 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
                 plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[seg, :, pl.ds(t * tile_rows + wg * wg_rows, wg_rows)])
 
             return acc_ref
+
+        def scale_block(j):  # tile t's scales of step ks: row block ks * tiles + t of the [steps * N, 8] view
+            t, ks = unit(j)
+            return (ks * part.tiles + t, 0)
 
         def compute_context(eval_pipeline):
             def acc_scope(acc_ref):
@@ -257,7 +261,7 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec((tile_rows, tile_k), unit, transforms=code_tf),
-                plgpu.BlockSpec((tile_rows, groups), lambda j: (unit(j)[1] * part.tiles + unit(j)[0], 0)),
+                plgpu.BlockSpec((tile_rows, groups), scale_block),
                 plgpu.BlockSpec((ROW_TILE, tile_k), lambda j: (0, unit(j)[1]), transforms=x_tf),
             ],
             wg_axis="wg",
