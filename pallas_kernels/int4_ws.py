@@ -1,7 +1,8 @@
 """Warp-specialized Mosaic GPU int4 row-tile matmul (Hopper), on weights prepared once as signed int4 codes.
 
 `Int4Codes` holds an `Int4Weight` (symmetric) re-coded for this kernel: each code is the two's-complement int4 of q - 8
-(`jnp.int4` [N, K]; K padded with zero codes to a multiple of the 256-k tile), and inside every 32-k block
+(`jnp.int4`, K padded with zero codes to a multiple of the 256-k tile, stored step-major like the scales so that one
+(row tile, k step) block of codes is 16 contiguous KB), and inside every 32-k block
 (one scale group) the codes are stored in the order `STORED_K`: a thread's 8 consecutive stored codes, which Mosaic's
 int4 upcast layout hands it as one 32-bit word, are then exactly the 8 k the wgmma register layout gives that thread
 (pairs 2t, 2t+1 of each 8 columns), each pair in two nibbles 16 bits apart. So the kernel converts a word straight
@@ -42,11 +43,13 @@ from pallas_kernels.int4_matmul import _combine
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Int4Codes:
-    """A symmetric Int4Weight W [K, N] prepared for this kernel: codes int4 [N, K_pad] = q - 8 with the k of every
-    32-k block in `STORED_K` order; scales bf16 [K_pad / TILE_K, N, TILE_K / 32], step-major: scales[i, n, g] is
-    the scale of row n's 32-k block 8 i + g, so the scales of one (row tile, k step) are one contiguous 2 KB TMA
-    box (from [N, K / 32] row-major scales a box reads 16 bytes per row: 12% of the pipeline's own bandwidth floor
-    on the H200, 0-2% of the whole kernel today, KERNEL_NOTES). K_pad is K rounded up to a multiple of `TILE_K`;
+    """A symmetric Int4Weight W [K, N] prepared for this kernel, both arrays step-major (one TMA box of a (row tile,
+    k step) is contiguous): codes int4 [K_pad / TILE_K, N, TILE_K] = q - 8, codes[i, n, j] the code of row n at
+    k = TILE_K i + j with the k of every 32-k block in `STORED_K` order (a box: 16 KB in one piece, where [N, K_pad]
+    row-major codes give 128 pieces of 128 bytes, KERNEL_NOTES); scales bf16 [K_pad / TILE_K, N, TILE_K / 32]:
+    scales[i, n, g] is the scale of row n's 32-k block 8 i + g (a 2 KB box; from [N, K / 32] row-major scales a box
+    reads 16 bytes per row: 12% of the pipeline's own bandwidth floor on the H200). K_pad is K rounded up to a
+    multiple of `TILE_K`;
     the padding holds zero codes and zero scales, and x is padded with zeros to match, so every padded term of the
     product is 0 * 0. k: the logical K (static)."""
 
@@ -57,7 +60,7 @@ class Int4Codes:
     @property
     def shape(self) -> tuple[int, int]:
         """Logical (K, N)."""
-        return (self.k, self.codes.shape[0])
+        return (self.k, self.codes.shape[1])
 
     @property
     def nbytes(self) -> int:
@@ -147,15 +150,16 @@ def prepare_codes(w: Int4Weight) -> Int4Codes:
     n, k = q.shape
     stored = q.reshape(n, k // BLOCK, BLOCK)[..., STORED_K].reshape(n, k)
     pad = padded_k(k) - k
-    codes = jnp.pad(stored.astype(jnp.int8) - 8, ((0, 0), (0, pad))).astype(jnp.int4)
+    codes = jnp.pad(stored.astype(jnp.int8) - 8, ((0, 0), (0, pad))).reshape(n, -1, TILE_K).transpose(1, 0, 2)
     scales = jnp.pad(w.scales, ((0, 0), (0, pad // BLOCK))).reshape(n, -1, TILE_K // BLOCK).transpose(1, 0, 2)
-    return Int4Codes(codes, scales, k)
+    return Int4Codes(codes.astype(jnp.int4), scales, k)
 
 
 def to_int4_weight(w: Int4Codes) -> Int4Weight:
     """The exact inverse of `prepare_codes`."""
     k, n = w.shape
-    stored = (w.codes[:, :k].astype(jnp.int8) + 8).astype(jnp.uint8).reshape(n, k // BLOCK, BLOCK)
+    codes = w.codes.astype(jnp.int8).transpose(1, 0, 2).reshape(n, -1)[:, :k]
+    stored = (codes + 8).astype(jnp.uint8).reshape(n, k // BLOCK, BLOCK)
     scales = w.scales.transpose(1, 0, 2).reshape(n, -1)[:, : k // BLOCK]
     return pack(stored[..., np.argsort(STORED_K)].reshape(n, k), scales)
 
@@ -177,7 +181,8 @@ def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> 
     """x [M <= 16, K] bfloat16 @ W [K, N] -> float32 [M, N], row-exact in M (GPU only)."""
     cfg = config or Config()
     m, k = x.shape
-    n, k_stored = w.codes.shape
+    steps, n, _ = w.codes.shape
+    k_stored = steps * TILE_K
     if not 1 <= m <= ROW_TILE:
         raise ValueError(f"rows_matmul takes 1..{ROW_TILE} rows, got {m}")
     if x.dtype != jnp.bfloat16:
@@ -247,7 +252,7 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
 
             return acc_ref
 
-        def scale_block(j):  # tile t's scales of step ks: row block ks * tiles + t of the [steps * N, 8] view
+        def step_block(j):  # tile t's codes / scales of step ks: row block ks * tiles + t of the [steps * N, -1] views
             t, ks = unit(j)
             return (ks * part.tiles + t, 0)
 
@@ -263,8 +268,8 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             grid=(part.per_cta,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((tile_rows, tile_k), unit, transforms=code_tf),
-                plgpu.BlockSpec((tile_rows, groups), scale_block),
+                plgpu.BlockSpec((tile_rows, tile_k), step_block, transforms=code_tf),
+                plgpu.BlockSpec((tile_rows, groups), step_block),
                 plgpu.BlockSpec((ROW_TILE, tile_k), lambda j: (0, unit(j)[1]), transforms=x_tf),
             ],
             wg_axis="wg",
@@ -282,7 +287,7 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
         thread_name="wg",
         scratch_types=dict(o_smem=plgpu.SMEM((2, ROW_TILE, wg_rows), jnp.float32)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )(xp, codes, scales.reshape(-1, groups))  # [steps * N, 8]: row block ks * tiles + t is tile t's step ks
+    )(xp, codes.reshape(-1, tile_k), scales.reshape(-1, groups))  # [steps * N, -1]: row block ks * tiles + t
 
 
 def _to_wgmma_bf16(q):

@@ -29,9 +29,9 @@ def _weight(k, n, seed=0, symmetric=True):
 def test_codes_are_q_minus_8_in_stored_order_and_round_trip():
     w = _weight(256, 64, seed=1)
     c = prepare_codes(w)
-    assert c.codes.dtype == jnp.int4 and c.codes.shape == (64, 256) and c.shape == w.shape
+    assert c.codes.dtype == jnp.int4 and c.codes.shape == (1, 64, 256) and c.shape == w.shape  # one k step
     q = np.asarray(unpack_codes(w), np.int32).reshape(64, 8, 32)
-    stored = np.asarray(c.codes.astype(jnp.int32)).reshape(64, 8, 32)
+    stored = np.asarray(c.codes.astype(jnp.int32))[0].reshape(64, 8, 32)
     for p, k in enumerate([0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26]):  # thread 0's 8 k, then thread 1's first 4
         assert np.array_equal(stored[..., p], q[..., k] - 8)
     assert sorted(int4_ws.STORED_K) == list(range(32))
@@ -45,8 +45,11 @@ def test_codes_are_q_minus_8_in_stored_order_and_round_trip():
 def test_codes_pad_k_to_the_k_tile_with_zero_codes_and_scales():
     w = _weight(288, 128, seed=12)  # K = 9 blocks of 32: padded to 512
     c = prepare_codes(w)
-    assert c.shape == (288, 128) and c.codes.shape == (128, 512) and c.scales.shape == (2, 128, 8)  # step-major
-    assert not np.asarray(c.codes[:, 288:].astype(jnp.int32)).any() and not np.asarray(c.scales[1, :, 1:]).any()
+    assert c.shape == (288, 128) and c.codes.shape == (2, 128, 256) and c.scales.shape == (2, 128, 8)  # step-major
+    assert not np.asarray(c.codes[1, :, 32:].astype(jnp.int32)).any() and not np.asarray(c.scales[1, :, 1:]).any()
+    # codes[i, n, j] is row n's stored code at k = 256 i + j: step 1 starts with block 8 (k 256..287)
+    q = np.asarray(unpack_codes(w), np.int32)[:, 256:][:, int4_ws.STORED_K]
+    assert np.array_equal(np.asarray(c.codes[1, :, :32].astype(jnp.int32)), q - 8)
     # scales[i, n, g] is row n's block 8 i + g: step 0 holds blocks 0..7, step 1 block 8 then the zero padding
     assert np.array_equal(bits(c.scales[0]), bits(w.scales[:, :8])) and np.array_equal(
         bits(c.scales[1, :, 0]), bits(w.scales[:, 8])
