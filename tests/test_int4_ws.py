@@ -160,8 +160,8 @@ def test_kernel_index_arithmetic_has_no_floor_division_sign_corrections():
     part = int4_ws.partition(k, n, cfg)
     args = [
         jax.ShapeDtypeStruct((16, k), jnp.bfloat16),
-        jax.ShapeDtypeStruct((n, k), jnp.int4),
-        jax.ShapeDtypeStruct((n, k // 32), jnp.bfloat16),
+        jax.ShapeDtypeStruct((k // int4_ws.TILE_K, n, int4_ws.TILE_K), jnp.int4),
+        jax.ShapeDtypeStruct((k // int4_ws.TILE_K, n, int4_ws.TILE_K // 32), jnp.bfloat16),
     ]
     jaxpr = jax.make_jaxpr(lambda x, c, s: int4_ws._tile(x, c, s, cfg=cfg, part=part))(*args)
     names = set(_primitives(jaxpr.jaxpr))
