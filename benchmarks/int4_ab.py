@@ -21,6 +21,7 @@ every M). Shapes: issue 4's (`int4_matmul_bench.SHAPES`), Llama-3-8B's gate_up a
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -62,40 +63,32 @@ def output_bits(module, x16, codes, overrides: dict) -> list[np.ndarray]:
     return outs
 
 
-def row0_exact(module, x16, codes, overrides: dict) -> bool:
-    cfg = module.Config(**overrides)
-    one = np.asarray(module.rows_matmul(x16[:1], codes, config=cfg)).view(np.uint32)
-    return bool(np.array_equal(one[0], np.asarray(module.rows_matmul(x16, codes, config=cfg)).view(np.uint32)[0]))
-
-
 def run_shape(base, variants: list[dict], k: int, n: int, rounds: int, repeats: int) -> dict:
     nbytes = bench.int4_bytes(k, n)
     key = jax.random.key(0)
     weights = bench.random_weights(key, k, n, bench.n_copies(nbytes))
     x16 = jax.random.normal(jax.random.fold_in(key, 7), (16, k), jnp.float32).astype(jnp.bfloat16)
-    codes = {"base": [base.prepare_codes(w) for w in weights], "new": [int4_ws.prepare_codes(w) for w in weights]}
-    sides = [("base", base, {})] + [(f"variant{i}", int4_ws, v) for i, v in enumerate(variants)]
+    base_codes = [base.prepare_codes(w) for w in weights]
+    new_codes = [int4_ws.prepare_codes(w) for w in weights]  # each side reads the layout its own module prepares
+    sides = [("base", base, {}, base_codes)] + [(f"variant{i}", int4_ws, v, new_codes) for i, v in enumerate(variants)]
+    ops = {label: functools.partial(m.rows_matmul, config=m.Config(**v)) for label, m, v, _ in sides}
     result = {"K": k, "N": n, "bytes": nbytes}
-    base_bits = output_bits(base, x16, codes["base"][0], {})
-    for label, module, overrides in sides:
-        mine = codes["base" if module is base else "new"]
-        bits = base_bits if module is base else output_bits(module, x16, mine[0], overrides)
+    base_bits = None
+    for label, module, overrides, codes in sides:  # the base first
+        bits = output_bits(module, x16, codes[0], overrides)
+        base_bits = bits if base_bits is None else base_bits
         result[label] = {
             "config": overrides,
             "kernel_us": [],
             "bits_equal_base": [bool(np.array_equal(a, b)) for a, b in zip(bits, base_bits, strict=True)],
-            "row0_exact": row0_exact(module, x16, mine[0], overrides),
+            "row0_exact": bench.exactness(ops[label], x16, codes[0], ms=(1,))["row_exact"],
         }
     for _ in range(rounds):  # alternate the sides within a round, so drift hits all of them alike
-        for label, module, overrides in sides:
-            mine = codes["base" if module is base else "new"]
-            cfg = module.Config(**overrides)
-            _, kernel_s = bench.time_calls(
-                lambda x, w, m=module, c=cfg: m.rows_matmul(x, w, config=c), x16[:1], mine, repeats, kernel=True
-            )
+        for label, _, _, codes in sides:
+            _, kernel_s = bench.time_calls(ops[label], x16[:1], codes, repeats, kernel=True)
             result[label]["kernel_us"].append(kernel_s * 1e6)
     base_us = statistics.median(result["base"]["kernel_us"])
-    for label, _, _ in sides:
+    for label, *_ in sides:
         us = statistics.median(result[label]["kernel_us"])
         result[label].update(median_us=us, vs_base=us / base_us, TBps=nbytes / us / 1e6)
     return result

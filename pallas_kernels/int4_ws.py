@@ -12,8 +12,8 @@ data movement). `to_int4_weight` undoes the preparation exactly.
 The kernel (DESIGN 2.1 row-tile rule: rows padded to ROW_TILE = 16, tiles from the shape only, partials combined
 outside in a fixed order, then `backend.first_rows`): a stream-K partition (`Partition`) gives each
 CTA (one per SM) an even share of the (row tile, k step) units. Per CTA one TMA warpgroup streams
-[2 * wg_rows, TILE_K] code tiles, their [2 * wg_rows, TILE_K / 32] scales (one contiguous block: `Int4Codes`
-stores the scales step-major) and the [16, TILE_K] x tile through a
+[2 * wg_rows, TILE_K] code tiles, their [2 * wg_rows, TILE_K / 32] scales (each one contiguous block: `Int4Codes`
+stores codes and scales step-major) and the [16, TILE_K] x tile through a
 `stages`-deep ring; two consumer warpgroups each load wg_rows rows of codes in the upcast layout (32-bit shared
 memory loads), convert them (exact), multiply by the group scales (one bf16 rounding: exactly the
 `pallas_kernels.int4` formula bf16(f32(q - 8) * f32(s))) and issue wgmma with the 16 tokens on N, a k chunk at a
@@ -49,9 +49,8 @@ class Int4Codes:
     row-major codes give 128 pieces of 128 bytes, KERNEL_NOTES); scales bf16 [K_pad / TILE_K, N, TILE_K / 32]:
     scales[i, n, g] is the scale of row n's 32-k block 8 i + g (a 2 KB box; from [N, K / 32] row-major scales a box
     reads 16 bytes per row: 12% of the pipeline's own bandwidth floor on the H200). K_pad is K rounded up to a
-    multiple of `TILE_K`;
-    the padding holds zero codes and zero scales, and x is padded with zeros to match, so every padded term of the
-    product is 0 * 0. k: the logical K (static)."""
+    multiple of `TILE_K`; the padding holds zero codes and zero scales, and x is padded with zeros to match, so
+    every padded term of the product is 0 * 0. k: the logical K (static)."""
 
     codes: jax.Array
     scales: jax.Array
