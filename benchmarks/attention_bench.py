@@ -52,7 +52,6 @@ DEFAULT_NAMES = (
     "near_split",
     "near_until",
     "combine_rows",
-    "combine_cols",
     "combine_chunk",
     "combine_warps",
     "combine_stages",

@@ -10,9 +10,9 @@ caches is the warp-specialized Mosaic GPU kernel of `attention_ws`, which writes
    of `block_k` with an online softmax (float32 statistics, exp2 domain) and writes the partial (max m, sum l,
    out = acc / l) of every row. Splits that start past start + ROW_TILE - 1 do no work; inside a split, blocks past
    that position are not visited.
-2. `_combine_kernel`, grid (q_heads, ROW_TILE // combine_rows, D // combine_cols): merges the live splits' partials
-   of each row in ascending split order, `combine_chunk` splits per step (one step, one round trip to memory, up to
-   that many live splits), and writes [ROW_TILE, Hq, D]; rows past the call's valid ones are written as zeros.
+2. `_combine_kernel`, grid (q_heads, ROW_TILE // combine_rows): merges the live splits' partials of each row in one
+   pass (global max of m first, then one weighted sum in ascending split order, `combine_chunk` splits per step, no
+   rescaling) and writes [ROW_TILE, Hq, D]; rows past the call's valid ones are written as zeros.
 
 Why row r is bit-identical for every M and every start that keep its position t = start + r (DESIGN 2.2):
 - Rows are padded to ROW_TILE and the valid row count is data (next to the start), so every call runs the same
@@ -26,9 +26,8 @@ Why row r is bit-identical for every M and every start that keep its position t 
   unchanged, the rescale factor is forced to exactly 1 and the probabilities are exactly 0 (stale values are never
   multiplied by a nonzero weight); a split fully past t has m = -inf, l = 0, out = 0 and weight exactly 0 in the
   combine, the same as a split that was never computed (whose garbage partials are masked at the load, never read).
-- The combine's steps have a fixed shape and run in a fixed order; every split a row does not see adds an exact zero
-  to a step's sum and leaves its max unchanged, and a step holding none the row sees rescales by exactly 1, so the
-  result does not depend on how many splits or steps the call computed.
+- The combine's max is order-free; its sum runs over fixed-shape chunks in a fixed order, and every split a row
+  does not see adds an exact zero, so the sum does not depend on how many splits the call computed.
 The defaults are the variants selected on the H200 (benchmarks/results/attention_h200.json and, for the split size
 and the one-pass combine, attention_onepass_h200.json; KERNEL_NOTES.md).
 """
@@ -62,10 +61,7 @@ NUM_WARPS = 8
 TILE_CHOICES = ((64, 3), (32, 3), (32, 2), (16, 2), (16, 1))
 SMEM_BUDGET = 160 * 1024  # bytes for the q tile and the pipelined K/V blocks; the rest is left to Triton's scratch
 COMBINE_ROWS = 2  # rows of one query head per combine program
-COMBINE_COLS = 64  # head_dim columns per combine program (a power of 2; head_dim itself when smaller)
-COMBINE_CHUNK = 64  # splits loaded per combine step (a power of 2; the split count need not be): up to 64 live
-# splits (29k positions with the partition above) the combine is one step. H200, 14B shape (KERNEL_NOTES, "Fifteenth
-# session"): combine 6.3 -> 4.7 us at 32k (M = 1), the same as the two-pass combine it replaced up to 4k
+COMBINE_CHUNK = 32  # splits loaded per combine step (a power of 2; the split count need not be)
 COMBINE_WARPS = 4
 COMBINE_STAGES = 2  # pipeline stages of the combine's loop over chunks
 
@@ -170,26 +166,24 @@ def _split_kernel(start_ref, q_ref, kv_ref, o_ref, m_ref, l_ref, *, scale, slice
 
 
 def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, splits, chunk):
-    """One (query head, row group, column block) program. start_ref [2] (start, valid rows); o_ref [NS, RC, DC];
-    m_ref/l_ref [NS, RC] float32; out_ref [RC, DC]. Rows from the valid ones on are no query rows (the split kernel
-    may not have computed them): they are written as zeros, a select on the finished rows, so a valid row's bits do
-    not depend on the valid count.
+    """One (query head, row group) program. start_ref [2] (start, valid rows); o_ref [NS, RC, D]; m_ref/l_ref
+    [NS, RC] float32; out_ref [RC, D]. Rows from the valid ones on are no query rows (the split kernel may not
+    have computed them): they are written as zeros, a select on the finished rows, so a valid row's bits do not
+    depend on the valid count.
 
-    One pass over the live splits in ascending order, `chunk` splits per step (a fixed-shape max and sum inside a
-    step, steps merged in order): M = max of the step's m; num = num * exp2(M_prev - M) + sum_i exp2(m_i - M) l_i o_i,
-    den likewise. Loading m, l and o together makes a step one round trip to memory, and below `chunk` live splits
-    the whole combine is one step. Splits >= live were never computed (their partials are garbage): their loads are
-    masked to m = -inf, l = 0, o = 0 (never read), so they add exact zeros, as does a live split a row sees nothing
-    of; a step holding nothing a row sees leaves its max unchanged and its rescale exactly 1. So a row's bits do not
-    depend on how many splits or steps the call ran.
+    One pass, no rescaling chain: first the max M over the live splits' m (order-free, so exact), then
+    num = sum_i exp2(m_i - M) * l_i * o_i and den = sum_i exp2(m_i - M) * l_i over the live splits in ascending
+    order, `chunk` splits per step (a fixed-shape sum inside a step, steps added in order). The steps' loads do not
+    depend on each other. Splits >= live were never computed (their partials are garbage): their loads are masked
+    to m = -inf, l = 0, o = 0 (never read), so they add exact zeros, as does a live split a row sees nothing of.
     """
-    rows, dc = out_ref.shape
+    rows, d = out_ref.shape
     valid = start_ref[1]
     first = pl.program_id(1) * rows
 
     @pl.when(first >= valid)
     def _():
-        out_ref[...] = jnp.zeros((rows, dc), out_ref.dtype)
+        out_ref[...] = jnp.zeros((rows, d), out_ref.dtype)
 
     @pl.when(first < valid)
     def _():
@@ -199,8 +193,9 @@ def _combine_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, splits, chunk):
 
 
 def _combine_rows(start_ref, o_ref, m_ref, l_ref, *, splits, chunk):
-    """The merged rows [RC, DC] float32 of one combine program (refs as in `_combine_kernel`)."""
+    """The merged rows [RC, D] float32 of one combine program (refs as in `_combine_kernel`)."""
     live = splits.live(start_ref[0] + ROW_TILE - 1)  # splits 0..live-1 were computed
+    steps = (live + chunk - 1) // chunk
     lane = jnp.arange(chunk, dtype=jnp.int32)
 
     def load(ref, ci, fill):
@@ -210,21 +205,22 @@ def _combine_rows(start_ref, o_ref, m_ref, l_ref, *, splits, chunk):
             ref.at[pl.ds(ci * chunk, chunk)], mask=jnp.broadcast_to(ok, shape), other=jnp.full(shape, fill, ref.dtype)
         )
 
-    def step(ci, carry):
-        top, num, den = carry
-        m = load(m_ref, ci, -jnp.inf)  # [chunk, RC]
-        new_top = jnp.maximum(top, jnp.max(m, axis=0))
-        use = jnp.where(new_top == -jnp.inf, 0.0, new_top)
-        alpha = jnp.where(new_top == top, 1.0, jnp.exp2(top - use))
-        w = jnp.exp2(m - use[None, :]) * load(l_ref, ci, 0.0)
-        o = load(o_ref, ci, 0.0).astype(jnp.float32)
-        num = num * alpha[:, None] + jnp.sum(w[:, :, None] * o, axis=0)
-        return new_top, num, den * alpha + jnp.sum(w, axis=0)
+    rows, d = o_ref.shape[1:]
+    top = jax.lax.fori_loop(
+        0,
+        steps,
+        lambda ci, mx: jnp.maximum(mx, jnp.max(load(m_ref, ci, -jnp.inf), axis=0)),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+    )
 
-    rows, dc = o_ref.shape[1:]
-    zeros = jnp.zeros((rows,), jnp.float32)
-    init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows, dc), jnp.float32), zeros)
-    _, num, den = jax.lax.fori_loop(0, (live + chunk - 1) // chunk, step, init)
+    def step(ci, carry):
+        num, den = carry
+        w = jnp.exp2(load(m_ref, ci, -jnp.inf) - top[None, :]) * load(l_ref, ci, 0.0)  # [chunk, RC]
+        o = load(o_ref, ci, 0.0).astype(jnp.float32)
+        return num + jnp.sum(w[:, :, None] * o, axis=0), den + jnp.sum(w, axis=0)
+
+    init = (jnp.zeros((rows, d), jnp.float32), jnp.zeros((rows,), jnp.float32))
+    num, den = jax.lax.fori_loop(0, steps, step, init)
     return num * (1.0 / den)[:, None]
 
 
@@ -262,13 +258,12 @@ def _check_inputs(q, kv_cache):
         raise ValueError(f"q and kv_cache must share one dtype of float32/bfloat16, got {q.dtype} and {kv_cache.dtype}")
 
 
-def _check_tiles(d, s_len, block_k, splits: Splits, combine_rows, combine_cols, combine_chunk):
-    pow2 = [x > 0 and not x & (x - 1) for x in (d, block_k, combine_chunk, combine_cols)]
+def _check_tiles(d, s_len, block_k, splits: Splits, combine_rows, combine_chunk):
+    pow2 = [x > 0 and not x & (x - 1) for x in (d, block_k, combine_chunk)]
     sizes_ok = splits.size % block_k == 0 and splits.far_size % block_k == 0 and splits.far_from % splits.size == 0
     if not all(pow2) or not sizes_ok or ROW_TILE % combine_rows:
         raise ValueError(
-            f"head_dim {d}, block_k {block_k}, combine_chunk {combine_chunk} and combine_cols {combine_cols} must be "
-            f"powers of 2, the split sizes "
+            f"head_dim {d}, block_k {block_k} and combine_chunk {combine_chunk} must be powers of 2, the split sizes "
             f"{splits.size} and {splits.far_size} multiples of block_k, far_from {splits.far_from} a multiple of "
             f"the split {splits.size} and combine_rows {combine_rows} a divisor of {ROW_TILE}"
         )
@@ -292,7 +287,6 @@ def attention(
     num_warps: int = NUM_WARPS,
     num_stages: int | None = None,
     combine_rows: int = COMBINE_ROWS,
-    combine_cols: int = COMBINE_COLS,
     combine_chunk: int = COMBINE_CHUNK,
     combine_warps: int = COMBINE_WARPS,
     combine_stages: int = COMBINE_STAGES,
@@ -345,7 +339,7 @@ def attention(
         block_k = block_k or auto_block
         num_stages = num_stages or auto_stages
     splits = Splits(split, far_split, far_from) if far_split else Splits(split, split, 0)
-    _check_tiles(d, kv_cache.shape[0], block_k, splits, combine_rows, combine_cols, combine_chunk)
+    _check_tiles(d, kv_cache.shape[0], block_k, splits, combine_rows, combine_chunk)
     out = _attention_tile(
         jnp.pad(q, ((0, ROW_TILE - m), (0, 0), (0, 0))),
         kv_cache,
@@ -358,7 +352,6 @@ def attention(
         num_warps=num_warps,
         num_stages=num_stages,
         combine_rows=combine_rows,
-        combine_cols=min(combine_cols, d),
         combine_chunk=combine_chunk,
         combine_warps=combine_warps,
         combine_stages=combine_stages,
@@ -379,7 +372,6 @@ def attention(
         "num_warps",
         "num_stages",
         "combine_rows",
-        "combine_cols",
         "combine_chunk",
         "combine_warps",
         "combine_stages",
@@ -400,7 +392,6 @@ def _attention_tile(
     num_warps,
     num_stages,
     combine_rows,
-    combine_cols,
     combine_chunk,
     combine_warps,
     combine_stages,
@@ -435,7 +426,6 @@ def _attention_tile(
         splits=splits,
         interpret=interpret,
         rows=combine_rows,
-        cols=combine_cols,
         chunk=combine_chunk,
         warps=combine_warps,
         stages=combine_stages,
@@ -494,27 +484,12 @@ def split_partials(q, kv_cache, start_arr, *, scale, interpret, fold_heads, bloc
 
 
 def combine(
-    start_arr,
-    o_part,
-    m_part,
-    l_part,
-    *,
-    q_heads,
-    head_rows,
-    chunk_rows,
-    splits,
-    interpret,
-    rows,
-    cols,
-    chunk,
-    warps,
-    stages,
+    start_arr, o_part, m_part, l_part, *, q_heads, head_rows, chunk_rows, splits, interpret, rows, chunk, warps, stages
 ):
     """The split kernel's partials o_part [Hkv, NS, T, D] (`query_tile` layout: chunks of chunk_rows rows,
     head_rows per query head), m_part/l_part [Hkv, NS, T] float32, start_arr int32 [2] (start, valid rows) ->
-    [ROW_TILE, q_heads, D] in o_part.dtype, rows from the valid ones on zero. `rows` rows and `cols` of the D
-    columns per program (a divisor of head_rows and chunk_rows; a divisor of D). Splits past start_arr[0] +
-    ROW_TILE - 1 are never read."""
+    [ROW_TILE, q_heads, D] in o_part.dtype, rows from the valid ones on zero. `rows` rows per program (a divisor
+    of head_rows and chunk_rows). Splits past start_arr[0] + ROW_TILE - 1 are never read."""
     hkv, n_split, _, d = o_part.shape
     group = q_heads // hkv
 
@@ -525,14 +500,14 @@ def combine(
 
     return pl.pallas_call(
         functools.partial(_combine_kernel, splits=splits, chunk=chunk),
-        grid=(q_heads, ROW_TILE // rows, d // cols),
+        grid=(q_heads, ROW_TILE // rows),
         in_specs=[
             pl.BlockSpec((2,), lambda *_: (0,)),
-            pl.BlockSpec((None, n_split, rows, cols), lambda h, r, c: (*part_index(h, r), c)),
-            pl.BlockSpec((None, n_split, rows), lambda h, r, c: part_index(h, r)),
-            pl.BlockSpec((None, n_split, rows), lambda h, r, c: part_index(h, r)),
+            pl.BlockSpec((None, n_split, rows, d), lambda h, r: (*part_index(h, r), 0)),
+            pl.BlockSpec((None, n_split, rows), part_index),
+            pl.BlockSpec((None, n_split, rows), part_index),
         ],
-        out_specs=pl.BlockSpec((rows, None, cols), lambda h, r, c: (r, h, c)),
+        out_specs=pl.BlockSpec((rows, None, d), lambda h, r: (r, h, 0)),
         out_shape=jax.ShapeDtypeStruct((ROW_TILE, q_heads, d), o_part.dtype),
         compiler_params=_compiler_params(interpret, warps, stages),
         interpret=interpret,

@@ -231,9 +231,8 @@ def test_gpu_mosaic_rows_exact_across_the_split_boundary(hq, hkv, d):
 @pytest.mark.parametrize("hq, hkv, d", [(40, 8, 128), (32, 2, 128)])
 def test_gpu_mosaic_bits_do_not_depend_on_the_cta_count(hq, hkv, d):
     """The persistent grid with 4 CTAs per KV head (each computing many splits of 64 and 128 positions in one
-    pipeline, 1 to 4 chunks) gives the default grid's bits on every row, and stays row-exact across M, with a
-    combine of up to 4 steps of 4 splits."""
-    kw = dict(split=64, far_split=128, far_from=512, combine_chunk=4, interpret=False, mosaic=True)
+    pipeline, 1 to 4 chunks) gives the default grid's bits on every row, and stays row-exact across M."""
+    kw = dict(split=64, far_split=128, far_from=512, interpret=False, mosaic=True)
     positions = list(range(1017, 1032))
     _check_rows_exact(jnp.bfloat16, positions, (1, 5, 9, 16), s_len=1280, hq=hq, hkv=hkv, d=d, ctas=4, **kw)
     q_hist, kv_hist = _history(jnp.bfloat16, s_len=1280, hq=hq, hkv=hkv, d=d)
@@ -360,7 +359,7 @@ def test_combine_never_reads_dead_splits(poison):
     outs = []
     for chunk in (2, 8):
         kw = dict(q_heads=HQ, head_rows=ROW_TILE, chunk_rows=o.shape[2], splits=attention_kernel.Splits(16, 16, 0))
-        kw.update(interpret=True, rows=2, cols=attention_kernel.COMBINE_COLS, chunk=chunk)
+        kw.update(interpret=True, rows=2, chunk=chunk)
         kw.update(warps=4, stages=2)
         clean = attention_kernel.combine(start, o, m, s, **kw)
         dirty = attention_kernel.combine(start, *bad, **kw)
@@ -385,7 +384,7 @@ def test_combine_reads_the_chunked_layout_of_the_mosaic_kernel():
     splits = attention_kernel.Splits(attention_kernel.NEAR_SPLIT, attention_kernel.SPLIT, attention_kernel.NEAR_UNTIL)
     kw = dict(interpret=True, fold_heads=True, block_k=64, splits=splits, num_warps=4, num_stages=1)
     parts = attention_kernel.split_partials(q, kv_hist, start_arr, scale=SCALE, **kw)
-    combine_kw = dict(q_heads=HQ, splits=splits, interpret=True, rows=2, cols=16, chunk=32, warps=4, stages=2)
+    combine_kw = dict(q_heads=HQ, splits=splits, interpret=True, rows=2, chunk=32, warps=4, stages=2)
     one_chunk = attention_kernel.combine(
         start_arr, *parts, head_rows=ROW_TILE, chunk_rows=parts[0].shape[2], **combine_kw
     )
@@ -409,5 +408,5 @@ def test_combine_reads_the_chunked_layout_of_the_mosaic_kernel():
 
 def test_rejects_a_combine_chunk_that_is_not_a_power_of_2():
     q, cache = jnp.zeros((4, 8, 64), jnp.float32), jnp.zeros((1024, 2, 2, 64), jnp.float32)
-    with pytest.raises(ValueError, match="combine_chunk 12 and combine_cols 64 must be"):
+    with pytest.raises(ValueError, match="combine_chunk 12 must be"):
         attention_kernel.attention(q, cache, jnp.int32(0), scale=1.0, interpret=True, combine_chunk=12)
