@@ -12,7 +12,8 @@ After every commit (last committed position p, newly committed positions q..p = 
   Drafts k > L chain the last layer one position further each step, fed its own chain hidden and its own draft
   (as vLLM's MTP proposer); those KV rows are speculative too and are overwritten before any real row reads them.
 Every call is a ROW_TILE-row step (padded) through the family's attention layer, so it runs on the row-tile
-kernels. The drafts never affect the output tokens: verify accepts only what greedy would produce.
+kernels; a chain step has one real row, and only it attends (the attention kernel skips the others' work). The
+drafts never affect the output tokens: verify accepts only what greedy would produce.
 """
 
 from __future__ import annotations
@@ -102,9 +103,9 @@ class MTPDrafter:
             rows_h = jnp.zeros((ROW_TILE, h.shape[-1]), h.dtype).at[0].set(h)
             rows_t = jnp.zeros((ROW_TILE,), jnp.int32).at[0].set(d)
             start = p + offset
-            chain, normed, cache = mtp_layer(
-                params, cfg, rows_h, rows_t, start + jnp.arange(ROW_TILE, dtype=jnp.int32), cache, start, num_layers - 1
-            )
+            positions = start + jnp.arange(ROW_TILE, dtype=jnp.int32)
+            # one real row: only it attends (a row's bits do not depend on the others, DESIGN 2.2)
+            chain, normed, cache = mtp_layer(params, cfg, rows_h, rows_t, positions, cache, start, num_layers - 1, 1)
             d = _argmax_row(params, cfg, normed[0])
             return (cache, chain[0], d), d
 

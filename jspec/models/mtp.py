@@ -51,9 +51,10 @@ def _norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
     return rms_norm(x, weight, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one)
 
 
-def mtp_layer(params: dict, cfg: ModelConfig, hidden, tokens, positions, cache, start, layer_index: int = 0):
+def mtp_layer(params: dict, cfg: ModelConfig, hidden, tokens, positions, cache, start, layer_index: int = 0, rows=None):
     """MTP layer `layer_index` on rows (hidden [T, H] at `positions` int32 [T], tokens int32 [T] = the token one
-    position ahead of each row) -> (chain hidden [T, H], final-normed hidden [T, H], cache)."""
+    position ahead of each row) -> (chain hidden [T, H], final-normed hidden [T, H], cache). rows (static, a row-tile
+    step only): the valid rows, the only ones that attend (as the family's `attention_layer`)."""
     if cfg.mtp_layout not in MTP_LAYOUTS:
         raise ValueError(f"cfg.mtp_layout must be one of {MTP_LAYOUTS} for an MTP head, got {cfg.mtp_layout!r}")
     heads = params.get("mtp") or []
@@ -62,7 +63,7 @@ def mtp_layer(params: dict, cfg: ModelConfig, hidden, tokens, positions, cache, 
     p = heads[layer_index]
     embedded = _norm(params["embed"][tokens].astype(hidden.dtype), p["embed_norm"], cfg)
     x = linear(jnp.concatenate([embedded, _norm(hidden, p["hidden_norm"], cfg)], axis=-1), p["fc"])
-    x, cache = family_module(cfg).attention_layer(p["layer"], cfg, x, positions, cache, start)
+    x, cache = family_module(cfg).attention_layer(p["layer"], cfg, x, positions, cache, start, rows)
     normed = _norm(x, p["final_norm"], cfg)
     return (x if cfg.mtp_layout == "deepseek" else normed), normed, cache
 
