@@ -148,19 +148,28 @@ def prepare_codes(w: Int4Weight) -> Int4Codes:
     q = unpack_codes(w)
     n, k = q.shape
     stored = q.reshape(n, k // BLOCK, BLOCK)[..., STORED_K].reshape(n, k)
-    pad = padded_k(k) - k
-    codes = jnp.pad(stored.astype(jnp.int8) - 8, ((0, 0), (0, pad))).reshape(n, -1, TILE_K).transpose(1, 0, 2)
-    scales = jnp.pad(w.scales, ((0, 0), (0, pad // BLOCK))).reshape(n, -1, TILE_K // BLOCK).transpose(1, 0, 2)
-    return Int4Codes(codes.astype(jnp.int4), scales, k)
+    codes = _step_major(stored.astype(jnp.int8) - 8, TILE_K)
+    return Int4Codes(codes.astype(jnp.int4), _step_major(w.scales, TILE_K // BLOCK), k)
 
 
 def to_int4_weight(w: Int4Codes) -> Int4Weight:
     """The exact inverse of `prepare_codes`."""
     k, n = w.shape
-    codes = w.codes.astype(jnp.int8).transpose(1, 0, 2).reshape(n, -1)[:, :k]
-    stored = (codes + 8).astype(jnp.uint8).reshape(n, k // BLOCK, BLOCK)
-    scales = w.scales.transpose(1, 0, 2).reshape(n, -1)[:, : k // BLOCK]
-    return pack(stored[..., np.argsort(STORED_K)].reshape(n, k), scales)
+    stored = (_row_major(w.codes.astype(jnp.int8), k) + 8).astype(jnp.uint8).reshape(n, k // BLOCK, BLOCK)
+    return pack(stored[..., np.argsort(STORED_K)].reshape(n, k), _row_major(w.scales, k // BLOCK))
+
+
+def _step_major(a: jax.Array, per_step: int) -> jax.Array:
+    """[N, C] (C columns per row: codes or scales of K) -> [C_pad / per_step, N, per_step], zero-padded to whole
+    steps: the layout of both `Int4Codes` arrays."""
+    n, cols = a.shape
+    a = jnp.pad(a, ((0, 0), (0, -cols % per_step)))
+    return a.reshape(n, -1, per_step).transpose(1, 0, 2)
+
+
+def _row_major(a: jax.Array, cols: int) -> jax.Array:
+    """The inverse of `_step_major`: [steps, N, per_step] -> [N, cols], the padding dropped."""
+    return a.transpose(1, 0, 2).reshape(a.shape[1], -1)[:, :cols]
 
 
 def fits(k: int, n: int, cfg: Config = Config()) -> bool:

@@ -105,7 +105,9 @@ class MTPDrafter:
             start = p + offset
             positions = start + jnp.arange(ROW_TILE, dtype=jnp.int32)
             # one real row: only it attends (a row's bits do not depend on the others, DESIGN 2.2)
-            chain, normed, cache = mtp_layer(params, cfg, rows_h, rows_t, positions, cache, start, num_layers - 1, 1)
+            chain, normed, cache = mtp_layer(
+                params, cfg, rows_h, rows_t, positions, cache, start, num_layers - 1, rows=1
+            )
             d = _argmax_row(params, cfg, normed[0])
             return (cache, chain[0], d), d
 
