@@ -8,7 +8,7 @@ from pallas_kernels.attention import attention, causal_attention
 from pallas_kernels.backend import ROW_TILE, get_backend, set_backend, use_backend
 from pallas_kernels.int4 import Int4Weight, dequantize, pack, quantize
 from pallas_kernels.int4_ws import Int4Codes
-from pallas_kernels.matmul import Int4Halves, linear, prepare_reference, prepare_ws, rows_matmul, swiglu
+from pallas_kernels.matmul import Int4Halves, linear, prepare_reference, prepare_ws, rows_matmul
 
 __all__ = [
     "ROW_TILE",
@@ -26,6 +26,5 @@ __all__ = [
     "quantize",
     "rows_matmul",
     "set_backend",
-    "swiglu",
     "use_backend",
 ]

@@ -50,15 +50,11 @@ class Int4Codes:
     scales[i, n, g] is the scale of row n's 32-k block 8 i + g (a 2 KB box; from [N, K / 32] row-major scales a box
     reads 16 bytes per row: 12% of the pipeline's own bandwidth floor on the H200). K_pad is K rounded up to a
     multiple of `TILE_K`; the padding holds zero codes and zero scales, and x is padded with zeros to match, so
-    every padded term of the product is 0 * 0. k: the logical K (static). glu (static): a fused [gate | up] weight
-    [K, 2I] whose rows are interleaved for the SwiGLU epilogue (`swiglu`): each block of 64 rows holds 32 gate rows
-    then the 32 up rows of the same outputs (`glu_rows`), so one consumer warpgroup owns both halves of its 32
-    outputs; only `swiglu` takes such codes."""
+    every padded term of the product is 0 * 0. k: the logical K (static)."""
 
     codes: jax.Array
     scales: jax.Array
     k: int = dataclasses.field(metadata=dict(static=True))
-    glu: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -145,41 +141,22 @@ def padded_k(k: int) -> int:
     return -(-k // TILE_K) * TILE_K
 
 
-GLU_ROWS = 32  # gate rows, then as many up rows, per 64-row block of a glu weight (half a consumer warpgroup each)
-
-
-def glu_rows(n: int) -> np.ndarray:
-    """Row order of a glu weight with N = 2I rows ([gate | up]): stored row r holds logical row glu_rows(n)[r]."""
-    if n % (4 * GLU_ROWS):
-        raise ValueError(f"a SwiGLU weight needs 2I divisible by {4 * GLU_ROWS}, got N={n}")
-    block, r = np.divmod(np.arange(n), 2 * GLU_ROWS)
-    return np.where(r < GLU_ROWS, 0, n // 2) + block * GLU_ROWS + r % GLU_ROWS
-
-
-def prepare_codes(w: Int4Weight, *, glu: bool = False) -> Int4Codes:
-    """Int4Weight (symmetric) -> Int4Codes; raises for asymmetric weights (the kernel has no zero points).
-    glu=True: w is a fused [gate | up] weight, stored in `glu_rows` order for `swiglu`."""
+def prepare_codes(w: Int4Weight) -> Int4Codes:
+    """Int4Weight (symmetric) -> Int4Codes; raises for asymmetric weights (the kernel has no zero points)."""
     if w.zeros is not None:
         raise ValueError("Int4Codes hold symmetric int4 weights only (this weight has per-block zero points)")
-    q, scales = unpack_codes(w), w.scales
+    q = unpack_codes(w)
     n, k = q.shape
-    if glu:
-        order = glu_rows(n)
-        q, scales = q[order], scales[order]
     stored = q.reshape(n, k // BLOCK, BLOCK)[..., STORED_K].reshape(n, k)
     codes = _step_major(stored.astype(jnp.int8) - 8, TILE_K)
-    return Int4Codes(codes.astype(jnp.int4), _step_major(scales, TILE_K // BLOCK), k, glu)
+    return Int4Codes(codes.astype(jnp.int4), _step_major(w.scales, TILE_K // BLOCK), k)
 
 
 def to_int4_weight(w: Int4Codes) -> Int4Weight:
-    """The exact inverse of `prepare_codes` (a glu weight back in [gate | up] order)."""
+    """The exact inverse of `prepare_codes`."""
     k, n = w.shape
     stored = (_row_major(w.codes.astype(jnp.int8), k) + 8).astype(jnp.uint8).reshape(n, k // BLOCK, BLOCK)
-    q, scales = stored[..., np.argsort(STORED_K)].reshape(n, k), _row_major(w.scales, k // BLOCK)
-    if w.glu:
-        order = np.argsort(glu_rows(n))
-        q, scales = q[order], scales[order]
-    return pack(q, scales)
+    return pack(stored[..., np.argsort(STORED_K)].reshape(n, k), _row_major(w.scales, k // BLOCK))
 
 
 def _step_major(a: jax.Array, per_step: int) -> jax.Array:
@@ -210,45 +187,6 @@ def partition(k: int, n: int, cfg: Config) -> Partition:
 
 def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> jax.Array:
     """x [M <= 16, K] bfloat16 @ W [K, N] -> float32 [M, N], row-exact in M (GPU only)."""
-    if w.glu:
-        raise ValueError("these Int4Codes are stored for the SwiGLU epilogue (glu=True): use swiglu, not a matmul")
-    cfg, part, xp = _setup(x, w, config)
-    parts = _tile(xp, w.codes, w.scales, cfg=cfg, part=part)
-    live = np.repeat(np.arange(parts.shape[0])[:, None] < part.segments[None, :], cfg.tile_rows, axis=1)
-    return first_rows(_combine(parts, live), x.shape[0])
-
-
-def rows_matmul_add(x: jax.Array, w: Int4Codes, residual: jax.Array, *, config: Config | None = None) -> jax.Array:
-    """residual [M, N] bfloat16 + bf16(x [M <= 16, K] bfloat16 @ W [K, N]) -> bfloat16 [M, N], row-exact in M (GPU
-    only). The kernel sums each tile's stream-K partials itself (in the order of `rows_matmul`'s combine) and adds
-    the residual: the bits of `residual + rows_matmul(x, w).astype(bfloat16)`, with no launch after the kernel."""
-    if w.glu:
-        raise ValueError("these Int4Codes are stored for the SwiGLU epilogue (glu=True): use swiglu, not a matmul")
-    m, n = x.shape[0], w.shape[1]
-    if residual.shape != (m, n) or residual.dtype != jnp.bfloat16:
-        raise ValueError(f"rows_matmul_add: residual must be bfloat16 {(m, n)}, got {residual.dtype} {residual.shape}")
-    cfg, part, xp = _setup(x, w, config)
-    rp = jnp.pad(residual, ((0, ROW_TILE - m), (0, 0)))
-    out, _ = _tile(xp, w.codes, w.scales, rp, cfg=cfg, part=part, epilogue="add")
-    return first_rows(out, m)
-
-
-def swiglu(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> jax.Array:
-    """silu(gate) * up for x [M <= 16, K] bfloat16 and a glu weight W [K, 2I] ([gate | up], `prepare_codes(...,
-    glu=True)`) -> bfloat16 [M, I], row-exact in M (GPU only). Per output, from the float32 sums g and u of the
-    partials (`rows_matmul`'s order): g, u rounded to bfloat16, a = bf16(g / (1 + exp(-g))) in float32, then
-    bf16(a * u) (the roundings of HuggingFace's bf16 `act_fn(gate) * up`)."""
-    if not w.glu:
-        raise ValueError("swiglu needs Int4Codes prepared with glu=True (gate and up rows interleaved)")
-    cfg, part, xp = _setup(x, w, config)
-    if cfg.wg_rows != 2 * GLU_ROWS:
-        raise ValueError(f"swiglu needs consumer warpgroups of {2 * GLU_ROWS} rows, got {cfg}")
-    out, _ = _tile(xp, w.codes, w.scales, cfg=cfg, part=part, epilogue="swiglu")
-    return first_rows(out, x.shape[0])
-
-
-def _setup(x: jax.Array, w: Int4Codes, config: Config | None):
-    """Checks x against W -> (config, partition, x padded to [16, K_pad])."""
     cfg = config or Config()
     m, k = x.shape
     steps, n, _ = w.codes.shape
@@ -259,22 +197,17 @@ def _setup(x: jax.Array, w: Int4Codes, config: Config | None):
         raise ValueError(f"the Mosaic GPU int4 kernel takes bfloat16 activations, got {x.dtype}")
     if w.shape[0] != k or not fits(k_stored, n, cfg):
         raise ValueError(f"Int4Codes {w.shape} (K, N) do not fit x K={k} or the kernel tiles {cfg}")
+    part = partition(k_stored, n, cfg)
     xp = jnp.pad(x, ((0, ROW_TILE - m), (0, k_stored - k)))  # zero rows below M, zero k under the padded codes
-    return cfg, partition(k_stored, n, cfg), xp
+    parts = _tile(xp, w.codes, w.scales, cfg=cfg, part=part)
+    live = np.repeat(np.arange(parts.shape[0])[:, None] < part.segments[None, :], cfg.tile_rows, axis=1)
+    return first_rows(_combine(parts, live), m)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "part", "epilogue"))
-def _tile(xp, codes, scales, residual=None, *, cfg: Config, part: Partition, epilogue: str | None = None):
+@functools.partial(jax.jit, static_argnames=("cfg", "part"))
+def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
     """Padded x [16, K] -> float32 segment partials [max segments, 16, N] (slots past a tile's segment count are
-    never written); with an epilogue ("add": + residual [16, N] bfloat16; "swiglu": a glu weight) -> (bfloat16
-    [16, N] or [16, N / 2], the partials of the split tiles). Jitted so each shape is lowered once per executable.
-
-    Epilogues finish every tile inside the kernel. A tile computed by one CTA is finished at its segment's end. A
-    tile split over CTAs is finished by the CTA holding its last segment (the highest-index one, where that segment
-    is the first of its run), after its own run: the other CTAs store their partials and signal a semaphore of the
-    tile and warpgroup once the stores are done; the finishing CTA waits for them (it waits only on CTAs of lower
-    index, which start before it) and sums the partials in segment order, as `rows_matmul`'s combine does. The
-    semaphores are globals that each call leaves at zero."""
+    never written). Jitted so each shape is lowered once per executable."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     tile_k, wg_rows = TILE_K, cfg.wg_rows
@@ -284,45 +217,16 @@ def _tile(xp, codes, scales, residual=None, *, cfg: Config, part: Partition, epi
     code_tf = (plgpu.TilingTransform((8, code_swizzle * 2)), plgpu.SwizzleTransform(code_swizzle))
     x_tf = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    halves = 2 if epilogue == "swiglu" else 1  # a warpgroup's rows: one block, or [gate | up]
-    half_rows = wg_rows // halves
-    flat = plgpu.Layout.WG_STRIDED((ROW_TILE, half_rows), vec_size=2)
-    max_segments, n = int(part.segments.max()), part.tiles * tile_rows
 
-    def int4_ws_streamk(x_gmem, c_gmem, s_gmem, *refs, o_smem):
+    def int4_ws_streamk(x_gmem, c_gmem, s_gmem, o_gmem, o_smem):
         c, wg = jax.lax.axis_index("c"), jax.lax.axis_index("wg")
         rows = pl.ds(wg * wg_rows, wg_rows)
         lo = _div(c * units, ctas)
         count = _div((c + 1) * units, ctas) - lo
-        if epilogue is None:
-            (o_gmem,) = refs
-        else:
-            *r_gmem, out_gmem, parts_gmem = refs
-            sem = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * part.tiles,)))
 
         def unit(j):  # a CTA with one unit fewer repeats its last unit (its product is discarded)
             u = lo + jnp.minimum(j, count - 1)
             return _div(u, steps), jax.lax.rem(u, steps)
-
-        def segments_of(t):  # (the CTA of tile t's first segment, tile t's segment count)
-            first = part.cta_of(t * steps)
-            return first, part.cta_of((t + 1) * steps - 1) - first + 1
-
-        def columns(t, h):  # this warpgroup's half h of tile t in the [.., N] partials
-            return pl.ds(t * tile_rows + wg * wg_rows + h * half_rows, half_rows)
-
-        def finish(sums, t):
-            """The tile's float32 sums [16, half_rows] per half (layout `flat`) -> the epilogue's output columns."""
-            if epilogue == "add":
-                cols = columns(t, 0)
-                y = plgpu.load(r_gmem[0].at[:, cols], layout=flat).astype(jnp.float32)
-                y = (y + sums[0].astype(jnp.bfloat16).astype(jnp.float32)).astype(jnp.bfloat16)
-            else:
-                cols = pl.ds((2 * t + wg) * half_rows, half_rows)
-                gate, up = (s.astype(jnp.bfloat16).astype(jnp.float32) for s in sums)
-                act = (gate / (1.0 + jnp.exp(-gate))).astype(jnp.bfloat16).astype(jnp.float32)
-                y = (act * up).astype(jnp.bfloat16)
-            out_gmem.at[:, cols][...] = y
 
         def scaled_chunk(q, s_smem, ch):
             """Chunk ch of the step's codes q -> bf16 [wg_rows, chunk_k] weights (codes x scales), wgmma layout."""
@@ -332,49 +236,6 @@ def _tile(xp, codes, scales, residual=None, *, cfg: Config, part: Partition, epi
                 sg = plgpu.load(s_smem.at[rows, ch * chunk_k // BLOCK + g], layout=row_layout)
                 parts.append(w[:, g * BLOCK : (g + 1) * BLOCK] * jax.lax.broadcast_in_dim(sg, (wg_rows, BLOCK), [0]))
             return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-
-        def end_segment(acc, t):
-            first, segments = segments_of(t)
-            seg = c - first
-            if epilogue is None:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read o_smem
-                _store_transposed(acc, o_smem.at[wg], halves)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg, 0], o_gmem.at[seg, :, columns(t, 0)])
-                return
-            plgpu.commit_smem()  # (its warpgroup barrier) every thread has read the previous segment's o_smem
-            _store_transposed(acc, o_smem.at[wg], halves)
-            plgpu.commit_smem()
-            sums = [plgpu.load(o_smem.at[wg, h], layout=flat) for h in range(halves)]
-
-            @pl.when(segments == 1)
-            def _():
-                finish(sums, t)
-
-            @pl.when(segments > 1)
-            def _():
-                for h in range(halves):
-                    parts_gmem.at[seg, :, columns(t, h)][...] = sums[h]
-
-                @pl.when(seg < segments - 1)
-                def _():
-                    plgpu.semaphore_signal(sem.at[2 * t + wg], 1, memory_scope="gpu")
-
-        def finish_split_tile():
-            """After the run: the tile of this CTA's first segment, if this CTA holds its last segment."""
-            t = unit(0)[0]
-            first, segments = segments_of(t)
-
-            @pl.when((segments > 1) & (c == first + segments - 1))
-            def _():
-                plgpu.semaphore_wait(sem.at[2 * t + wg], segments - 1, decrement=True, memory_scope="gpu")
-                sums = []
-                for h in range(halves):
-                    y = plgpu.load(parts_gmem.at[0, :, columns(t, h)], layout=flat)
-                    for s in range(1, max_segments):
-                        y = jnp.where(s < segments, y + plgpu.load(parts_gmem.at[s, :, columns(t, h)], layout=flat), y)
-                    sums.append(y)
-                finish(sums, t)
 
         def body(idx, c_smem, s_smem, x_smem, acc_ref):
             j = idx[0]
@@ -391,7 +252,11 @@ def _tile(xp, codes, scales, residual=None, *, cfg: Config, part: Partition, epi
 
             @pl.when((j < count) & ((ks == steps - 1) | (j == count - 1)))  # a segment ends: store its partial
             def _():
-                end_segment(acc_ref[...], t)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read o_smem
+                _store_transposed(acc_ref[...], o_smem.at[wg])
+                plgpu.commit_smem()
+                seg = c - part.cta_of(t * steps)
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[seg, :, pl.ds(t * tile_rows + wg * wg_rows, wg_rows)])
 
             return acc_ref
 
@@ -402,8 +267,6 @@ def _tile(xp, codes, scales, residual=None, *, cfg: Config, part: Partition, epi
         def compute_context(eval_pipeline):
             def acc_scope(acc_ref):
                 eval_pipeline(acc_ref)
-                if epilogue is not None:
-                    finish_split_tile()
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             pl.run_scoped(acc_scope, plgpu.ACC((wg_rows, ROW_TILE), jnp.float32))
@@ -423,24 +286,16 @@ def _tile(xp, codes, scales, residual=None, *, cfg: Config, part: Partition, epi
             compute_context=compute_context,
         )(c_gmem, s_gmem, x_gmem)
 
-    parts_type = jax.ShapeDtypeStruct((max_segments, ROW_TILE, n), jnp.float32)
-    if epilogue is None:
-        out_type, inputs = parts_type, ()
-    else:
-        out_cols = n // 2 if epilogue == "swiglu" else n
-        out_type, inputs = (jax.ShapeDtypeStruct((ROW_TILE, out_cols), jnp.bfloat16), parts_type), ()
-        if epilogue == "add":
-            inputs = (residual,)
     return plgpu.kernel(
         int4_ws_streamk,
-        out_type=out_type,
+        out_type=jax.ShapeDtypeStruct((int(part.segments.max()), ROW_TILE, part.tiles * tile_rows), jnp.float32),
         grid=(ctas,),
         grid_names=("c",),
         num_threads=3,
         thread_name="wg",
-        scratch_types=dict(o_smem=plgpu.SMEM((2, halves, ROW_TILE, half_rows), jnp.float32)),
+        scratch_types=dict(o_smem=plgpu.SMEM((2, ROW_TILE, wg_rows), jnp.float32)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )(xp, codes.reshape(-1, tile_k), scales.reshape(-1, groups), *inputs)  # [steps * N, -1]: block ks * tiles + t
+    )(xp, codes.reshape(-1, tile_k), scales.reshape(-1, groups))  # [steps * N, -1]: row block ks * tiles + t
 
 
 def _to_wgmma_bf16(q):
@@ -485,25 +340,14 @@ def _to_wgmma_bf16(q):
     return convert(q)
 
 
-def _store_transposed(acc, ref, halves: int = 1):
-    """Store the float32 accumulator [wg_rows, 16] (WGMMA layout) into the shared memory ref [halves, 16, wg_rows /
-    halves] (row r at [r // (wg_rows / halves), token, r % (wg_rows / halves)]): one scalar store per element (the
-    kernel's output is token-major, so no transpose op runs after it)."""
-    import jax.experimental.mosaic.gpu as mgpu
+def _store_transposed(acc, ref):
+    """Store the float32 accumulator [wg_rows, 16] (WGMMA layout) into the shared memory ref [16, wg_rows]: one
+    scalar store per element (the kernel's output is token-major, so no transpose op runs after it)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, memref
-
-    half_rows = acc.shape[0] // halves
-
-    def position(idx):
-        if halves == 1:
-            return [mgpu.utils.c(0, ir.IndexType.get()), idx[1], idx[0]]
-        size = mgpu.utils.c(half_rows, ir.IndexType.get())
-        return [arith.divui(idx[0], size), idx[1], arith.remui(idx[0], size)]
+    from jaxlib.mlir.dialects import memref
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
     def store(_, value, smem):
-        value.foreach(lambda v, idx: memref.store(v, smem, position(idx)))
+        value.foreach(lambda v, idx: memref.store(v, smem, [idx[1], idx[0]]))
 
     store(acc, ref)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import backend as _backend
 from pallas_kernels.int4 import Int4Weight, dequantize_halves
-from pallas_kernels.int4_ws import GLU_ROWS, Int4Codes, fits, padded_k, prepare_codes, to_int4_weight
+from pallas_kernels.int4_ws import Int4Codes, fits, padded_k, prepare_codes, to_int4_weight
 
 
 @jax.tree_util.register_dataclass
@@ -55,64 +55,22 @@ class Int4Halves:
 Weight = jax.Array | Int4Weight | Int4Halves | Int4Codes
 
 
-def linear(
-    x: jax.Array, w: Weight, bias: jax.Array | None = None, *, out_dtype=None, residual: jax.Array | None = None
-) -> jax.Array:
+def linear(x: jax.Array, w: Weight, bias: jax.Array | None = None, *, out_dtype=None) -> jax.Array:
     """x [M, K] (float32 | bfloat16) @ W [K, N] (+ bias [N]) -> [M, N] in out_dtype (default x.dtype).
 
-    Accumulates in float32; the bias is added in float32 before the single cast to out_dtype. residual [M, N]
-    (optional): returns residual + that result, in residual's dtype (out_dtype must then be residual's dtype): the
-    layer's residual add. On the GPU kernel backend, row tiles of `Int4Codes` without a bias run it inside the int4
-    kernel (`int4_ws.rows_matmul_add`: the same bits, one launch fewer).
+    Accumulates in float32; the bias is added in float32 before the single cast to out_dtype.
     """
-    out_dtype = out_dtype or (x.dtype if residual is None else residual.dtype)
+    out_dtype = out_dtype or x.dtype
     m, k = x.shape
     if w.shape[0] != k:
         raise ValueError(f"linear: x has K={k} but the weight is {tuple(w.shape)} ([K, N])")
-    if residual is not None:
-        if residual.shape != (m, w.shape[1]) or residual.dtype != out_dtype:
-            raise ValueError(
-                f"linear: residual must be {out_dtype} {(m, w.shape[1])}, got {residual.dtype} {residual.shape}"
-            )
-        if _fused_ws(x, w, bias) and out_dtype == jnp.bfloat16:
-            from pallas_kernels import int4_ws
-
-            return int4_ws.rows_matmul_add(x, w, residual)
     if m <= _backend.ROW_TILE:
         y = rows_matmul(x, w)
     else:
         y = _product(x, w)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
-    y = y.astype(out_dtype)
-    return y if residual is None else residual + y
-
-
-def swiglu(x: jax.Array, w: Weight, bias: jax.Array | None = None) -> jax.Array:
-    """silu(gate) * up of the fused gate_up weight W [K, 2I] ([gate | up] along N): x [M, K] -> [M, I] in x.dtype.
-
-    On the GPU kernel backend, row tiles of `Int4Codes` prepared for it (`prepare_ws` prepares every `gate_up`
-    weight so) run it inside the int4 kernel (`int4_ws.swiglu`, its formula there; one launch fewer); elsewhere
-    `linear` then jax.nn.silu(gate) * up.
-    """
-    if isinstance(w, Int4Codes) and w.glu and _fused_ws(x, w, bias):
-        from pallas_kernels import int4_ws
-
-        return int4_ws.swiglu(x, w)
-    gate, up = jnp.split(linear(x, w, bias), 2, axis=-1)
-    return jax.nn.silu(gate) * up
-
-
-def _fused_ws(x: jax.Array, w: Weight, bias: jax.Array | None) -> bool:
-    """Whether x @ w runs the Mosaic GPU int4 kernel with an epilogue: a bfloat16 row tile of Int4Codes, no bias,
-    on the 'pallas' backend."""
-    return (
-        isinstance(w, Int4Codes)
-        and bias is None
-        and x.shape[0] <= _backend.ROW_TILE
-        and x.dtype == jnp.bfloat16
-        and _backend.get_backend() == "pallas"
-    )
+    return y.astype(out_dtype)
 
 
 def rows_matmul(x: jax.Array, w: Weight) -> jax.Array:
@@ -180,24 +138,11 @@ def prepare_reference(params, dtype):
 
 def prepare_ws(params):
     """params with every symmetric Int4Weight whose N fits the Mosaic GPU kernel's 128-row tile replaced by its
-    Int4Codes (K padded to a multiple of the 256-k tile: e.g. GLM-4-9B's down, K = 13696); a weight under the key
-    `gate_up` (the fused [gate | up] of a SwiGLU MLP, which only `swiglu` reads) and without a `gate_up_bias` beside
-    it with its rows interleaved for the kernel's SwiGLU epilogue (glu=True). On the H200
+    Int4Codes (K padded to a multiple of the 256-k tile: e.g. GLM-4-9B's down, K = 13696). On the H200
     that kernel beat the Triton row-tile kernel on every Qwen2.5-7B / 14B linear shape: 1.28-1.58x on gate_up,
     down, lm_head (benchmarks/results/int4_matmul_h200.json) and 1.15-1.49x on qkv and o (same-process runs,
     benchmarks/results/int4_qkv_o_h200.json)."""
-
-    def prepare(tree, glu=False):
-        if _is_int4(tree):
-            return prepare_codes(tree, glu=glu and tree.shape[1] % (4 * GLU_ROWS) == 0) if _takes_ws(tree) else tree
-        if isinstance(tree, dict):
-            glu_key = "gate_up" if "gate_up_bias" not in tree else None  # the epilogue adds no bias
-            return {key: prepare(value, key == glu_key) for key, value in tree.items()}
-        if isinstance(tree, (list, tuple)):
-            return type(tree)(prepare(value) for value in tree)
-        return tree
-
-    return prepare(params)
+    return _map_int4(lambda w: prepare_codes(w) if _takes_ws(w) else w, params)
 
 
 def _takes_ws(w: Int4Weight) -> bool:

@@ -15,7 +15,7 @@ from jspec.exactness import bits
 from pallas_kernels import backend, int4_ws
 from pallas_kernels.int4 import Int4Weight, dequantize, quantize, unpack_codes
 from pallas_kernels.int4_ws import Int4Codes, prepare_codes, to_int4_weight
-from pallas_kernels.matmul import Int4Halves, linear, prepare_ws, swiglu, ws_prep_nbytes
+from pallas_kernels.matmul import Int4Halves, linear, prepare_ws, ws_prep_nbytes
 from tests.tiny import MOSAIC_GPU_TRACES, tiny_config, tiny_params
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -89,36 +89,6 @@ def test_row_tile_path_reference_serves_codes_interpret_refuses():
         linear(x, prepare_codes(w))
 
 
-def test_glu_codes_interleave_gate_and_up_rows_and_round_trip():
-    w = _weight(512, 256, seed=12)  # [gate | up], I = 128
-    c = prepare_codes(w, glu=True)
-    assert c.glu and c.shape == (512, 256)
-    order = int4_ws.glu_rows(256)
-    assert list(order[:64]) == list(range(32)) + list(range(128, 160))  # 32 gate rows, then the same outputs' up
-    assert sorted(order) == list(range(256))
-    back = to_int4_weight(c)
-    assert np.array_equal(np.asarray(back.packed), np.asarray(w.packed))
-    assert np.array_equal(np.asarray(back.scales).view(np.uint16), np.asarray(w.scales).view(np.uint16))
-    with pytest.raises(ValueError, match="divisible by 128"):
-        int4_ws.glu_rows(320)
-
-
-def test_swiglu_and_the_residual_add_off_the_gpu_kernel_are_the_plain_formulas():
-    # what the model code ran before the fused forms existed, bit for bit (glu codes included: the reference
-    # product reads them in [gate | up] order)
-    w, down = _weight(256, 256, seed=13), _weight(128, 256, seed=14)
-    x = jnp.asarray(np.random.default_rng(15).standard_normal((5, 256)), jnp.bfloat16)
-    r = jnp.asarray(np.random.default_rng(16).standard_normal((5, 256)), jnp.bfloat16)
-    with backend.use_backend("reference"):
-        gate, up = jnp.split(linear(x, w), 2, axis=-1)
-        want = jax.nn.silu(gate) * up
-        for weight in (w, prepare_codes(w, glu=True)):
-            assert np.array_equal(bits(swiglu(x, weight)), bits(want))
-        assert np.array_equal(bits(linear(want, down, residual=r)), bits(r + linear(want, down)))
-        with pytest.raises(ValueError, match="residual must be"):
-            linear(want, down, residual=r[:4])
-
-
 def test_prepare_ws_takes_the_symmetric_weights_that_fit_the_kernel():
     params = {
         "gate_up": _weight(256, 1024, seed=4),
@@ -132,10 +102,6 @@ def test_prepare_ws_takes_the_symmetric_weights_that_fit_the_kernel():
     assert all(isinstance(out[k], Int4Codes) for k in ("gate_up", "down", "odd_k"))
     assert all(isinstance(out[k], Int4Weight) for k in ("asym", "odd_n"))
     assert out["norm"] is params["norm"]
-    # gate_up is stored for the SwiGLU epilogue, unless a bias comes with it (the epilogue adds none)
-    assert out["gate_up"].glu and not any(out[k].glu for k in ("down", "odd_k"))
-    with_bias = prepare_ws({"layers": [{"gate_up": params["gate_up"], "gate_up_bias": jnp.zeros(1024)}]})
-    assert not with_bias["layers"][0]["gate_up"].glu
 
 
 def test_gpu_preparation_needing_more_than_the_free_device_memory_is_declined(monkeypatch):
@@ -244,48 +210,3 @@ def test_gpu_k_chunks_do_not_change_the_bits():
             for chunks in (1, 2, 4)
         ]
         assert all(np.array_equal(bits(y), bits(ys[0])) for y in ys[1:])
-
-
-GPU_PARTITIONS = [int4_ws.Config(), int4_ws.Config(ctas=7, min_steps=1), int4_ws.Config(ctas=4, min_steps=1)]
-
-
-@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
-@pytest.mark.parametrize("config", GPU_PARTITIONS)
-@pytest.mark.parametrize("k", [1280, 1376])
-def test_gpu_add_epilogue_gives_the_bits_of_the_sum_then_the_add(config, k):
-    # the kernel finishes every tile itself (split tiles by the CTA of their last segment, after the semaphore
-    # handoff): the bits of the partials summed outside plus the bf16 residual add, for every M, call after call
-    n = 512
-    c = prepare_codes(_weight(k, n, seed=17))
-    rng = np.random.default_rng(18)
-    x = jnp.asarray(rng.standard_normal((16, k)), jnp.bfloat16)
-    r = jnp.asarray(rng.standard_normal((16, n)), jnp.bfloat16)
-    fused = jax.jit(lambda x, c, r: [int4_ws.rows_matmul_add(x[:m], c, r[:m], config=config) for m in range(1, 17)])
-    plain = jax.jit(lambda x, c, r: r + int4_ws.rows_matmul(x, c, config=config).astype(jnp.bfloat16))
-    want = bits(plain(x, c, r))
-    for call in range(3):  # the semaphores are left at zero for the next call
-        ys = fused(x, c, r)
-        for m, y in enumerate(ys, start=1):
-            assert np.array_equal(bits(y), want[:m]), f"call {call}: M={m} differs from the unfused sum and add"
-
-
-@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
-@pytest.mark.parametrize("config", GPU_PARTITIONS)
-def test_gpu_swiglu_epilogue_is_row_exact_and_close_to_its_formula(config):
-    k, n = 1280, 1024  # [gate | up], I = 512: 8 tiles
-    w = _weight(k, n, seed=19)
-    glu, plain_codes = prepare_codes(w, glu=True), prepare_codes(w)
-    x = jnp.asarray(np.random.default_rng(20).standard_normal((16, k)), jnp.bfloat16)
-    ys = jax.jit(lambda x, c: [int4_ws.swiglu(x[:m], c, config=config) for m in range(1, 17)])(x, glu)
-    for call in range(2):
-        again = int4_ws.swiglu(x, glu, config=config)
-        assert np.array_equal(bits(again), bits(ys[-1])), f"call {call} differs"
-    for m, y in enumerate(ys, start=1):
-        assert np.array_equal(bits(y), bits(ys[-1][:m])), f"row mismatch between M={m} and M=16"
-    sums = np.asarray(int4_ws.rows_matmul(x, plain_codes, config=config).astype(jnp.bfloat16), np.float32)
-    gate, up = sums[:, : n // 2], sums[:, n // 2 :]
-    act = np.asarray(jnp.asarray(gate / (1 + np.exp(-gate)), jnp.bfloat16), np.float32)
-    want = act * up  # the kernel's exp may differ from numpy's in the last bit before the bf16 rounding
-    np.testing.assert_allclose(np.asarray(ys[-1], np.float32), want, rtol=2**-7, atol=1e-6 * np.abs(want).max())
-    with pytest.raises(ValueError, match="use swiglu"):
-        int4_ws.rows_matmul(x, glu, config=config)

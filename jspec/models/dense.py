@@ -65,14 +65,15 @@ def cached_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array,
 
 def layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache, start, rows=None):
     """One decoder layer on the residual stream x [T, H] (see `attend` for cache/start/rows)."""
-    eps = cfg.rms_norm_eps
-    h, cache = attend(p, cfg, rms_norm(x, p["input_norm"], eps), positions, cache, start, rows)
-    if cfg.post_norms:  # glm4: a norm between each projection and its residual add
-        x = x + rms_norm(linear(h, p["o"], p.get("o_bias")), p["post_self_attn_norm"], eps)
-        h = swiglu_mlp(p, rms_norm(x, p["post_attn_norm"], eps), cfg)
-        return x + rms_norm(h, p["post_mlp_norm"], eps), cache
-    x = linear(h, p["o"], p.get("o_bias"), residual=x)
-    return swiglu_mlp(p, rms_norm(x, p["post_attn_norm"], eps), cfg, residual=x), cache
+    h, cache = attend(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), positions, cache, start, rows)
+    out = linear(h, p["o"], p.get("o_bias"))
+    if cfg.post_norms:
+        out = rms_norm(out, p["post_self_attn_norm"], cfg.rms_norm_eps)
+    x = x + out
+    h = swiglu_mlp(p, rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps), cfg)
+    if cfg.post_norms:
+        h = rms_norm(h, p["post_mlp_norm"], cfg.rms_norm_eps)
+    return x + h, cache
 
 
 attention_layer = layer  # the family's attention decoder layer (used by the MTP head, jspec.models.mtp)

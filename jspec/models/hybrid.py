@@ -43,7 +43,7 @@ def _dims(cfg: ModelConfig) -> tuple[int, int, int]:
 
 
 def _mlp_block(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    return swiglu_mlp(p, _norm(x, p["post_attn_norm"], cfg), cfg, residual=x)
+    return x + swiglu_mlp(p, _norm(x, p["post_attn_norm"], cfg), cfg)
 
 
 def init_cache(cfg: ModelConfig, length: int, dtype) -> tuple:
@@ -71,7 +71,7 @@ def attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Arra
     k = apply_rope(_norm(k.reshape(t, hkv, d), p["k_norm"], cfg), positions, cfg)
     out, cache = cached_attention(cfg, q, k, v.reshape(t, hkv, d), cache, start, rows)
     out = out.reshape(t, cfg.q_size) * jax.nn.sigmoid(gate.reshape(t, cfg.q_size))
-    return _mlp_block(p, cfg, linear(out, p["o"], p.get("o_bias"), residual=x)), cache
+    return _mlp_block(p, cfg, x + linear(out, p["o"], p.get("o_bias"))), cache
 
 
 def _gated_norm(x: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.config import ModelConfig, RopeConfig
-from pallas_kernels import linear, swiglu
+from pallas_kernels import linear
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, plus_one: bool = False) -> jax.Array:
@@ -63,10 +63,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Arra
     return jnp.concatenate([rotated, x_pass], axis=-1) if rot < x.shape[-1] else rotated
 
 
-def swiglu_mlp(p: dict, x: jax.Array, cfg: ModelConfig, residual: jax.Array | None = None) -> jax.Array:
-    """down(silu(gate(x)) * up(x)) (+ residual [T, H]) with the fused gate_up weight [H, 2I] ([gate | up] along N)."""
-    h = swiglu(x, p["gate_up"], p.get("gate_up_bias"))
-    return linear(h, p["down"], p.get("down_bias"), residual=residual)
+def swiglu_mlp(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """down(silu(gate(x)) * up(x)) with the fused gate_up weight [H, 2I] ([gate | up] along N)."""
+    gate_up = linear(x, p["gate_up"], p.get("gate_up_bias"))
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return linear(jax.nn.silu(gate) * up, p["down"], p.get("down_bias"))
 
 
 def logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
