@@ -229,10 +229,12 @@ def test_gpu_mosaic_rows_exact_across_the_split_boundary(hq, hkv, d):
 
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
 @pytest.mark.parametrize("hq, hkv, d", [(40, 8, 128), (32, 2, 128)])
-def test_gpu_mosaic_bits_do_not_depend_on_the_cta_count(hq, hkv, d):
+@pytest.mark.parametrize("combine_chunk", [attention_kernel.COMBINE_CHUNK, 4])
+def test_gpu_mosaic_bits_do_not_depend_on_the_cta_count(hq, hkv, d, combine_chunk):
     """The persistent grid with 4 CTAs per KV head (each computing many splits of 64 and 128 positions in one
-    pipeline, 1 to 4 chunks) gives the default grid's bits on every row, and stays row-exact across M."""
-    kw = dict(split=64, far_split=128, far_from=512, interpret=False, mosaic=True)
+    pipeline, 1 to 4 chunks) gives the default grid's bits on every row, and stays row-exact across M; with
+    combine_chunk 4 the combine merges the 14 splits in 4 steps instead of one."""
+    kw = dict(split=64, far_split=128, far_from=512, interpret=False, mosaic=True, combine_chunk=combine_chunk)
     positions = list(range(1017, 1032))
     _check_rows_exact(jnp.bfloat16, positions, (1, 5, 9, 16), s_len=1280, hq=hq, hkv=hkv, d=d, ctas=4, **kw)
     q_hist, kv_hist = _history(jnp.bfloat16, s_len=1280, hq=hq, hkv=hkv, d=d)
