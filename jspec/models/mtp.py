@@ -6,9 +6,10 @@ API
       layer params (dense families: the same dict as params["layers"][j]), final_norm [H].
       The token embedding and the lm_head are the main model's (params["embed"], params["lm_head"]): shared.
   init_mtp_params(cfg, key, dtype, num_layers=1) -> that list (random; tests and the demo trainer).
-  mtp_layer(params, cfg, hidden [T, H], tokens [T], positions [T], cache, start, layer_index)
-      -> (chain hidden [T, H], final-normed hidden [T, H], cache): the row-level building block (cache/start as in
-      the family's `attention_layer`: cache None = full causal, start None = prefill, else a row-tile step).
+  mtp_layer(params, cfg, hidden [T, H], tokens [T], positions [T], cache, start, layer_index, rows=None)
+      -> (chain hidden [T, H], final-normed hidden [T, H], cache): the row-level building block (cache/start/rows as
+      in the family's `attention_layer`: cache None = full causal, start None = prefill, else a row-tile step whose
+      first `rows` rows attend).
   mtp_forward(params, cfg, hidden [T, H], next_tokens [T], layer_index=0) -> float32 logits [T, V]: the full
       causal forward (no cache) of one MTP layer, differentiable. Row t takes `hidden` at position t and
       next_tokens[t] (the token at position t + 1) and predicts the token at position t + 2 (for layer i fed with
