@@ -185,12 +185,32 @@ def partition(k: int, n: int, cfg: Config) -> Partition:
     return Partition(tiles, steps, max(1, min(ctas, tiles * steps // cfg.min_steps)))
 
 
+# Wide tiles (`config_for`): the fewest 128-row pipeline steps per CTA at which 256-row tiles pay on the H200.
+WIDE_MIN_STEPS = 24
+
+
+def config_for(k: int, n: int) -> Config:
+    """The Config `rows_matmul` uses for a [K (stored), N] weight, a function of the shape only: 256-row tiles (two
+    warpgroups of 128 rows: one x tile and one pipeline step per 36 KB of weights instead of 18) where the weight
+    gives each CTA at least WIDE_MIN_STEPS steps of the default 128-row tiles and the wider stream-K units cost no
+    extra steps; else the default. Kernel alone on the H200 (KERNEL_NOTES, seventeenth session): 6-10%
+    faster on lm_head and the Llama-3-8B / Qwen2.5-7B gate_up, 7-17% slower on qkv, o and down, whose few steps per
+    CTA the coarser units unbalance."""
+    narrow = Config()
+    wide = dataclasses.replace(narrow, wg_rows=2 * narrow.wg_rows)
+    if not fits(k, n, wide):
+        return narrow
+    steps = partition(k, n, narrow).per_cta
+    return wide if steps >= WIDE_MIN_STEPS and 2 * partition(k, n, wide).per_cta <= steps else narrow
+
+
 def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> jax.Array:
-    """x [M <= 16, K] bfloat16 @ W [K, N] -> float32 [M, N], row-exact in M (GPU only)."""
-    cfg = config or Config()
+    """x [M <= 16, K] bfloat16 @ W [K, N] -> float32 [M, N], row-exact in M (GPU only). config: None for
+    `config_for` the weight's shape."""
     m, k = x.shape
     steps, n, _ = w.codes.shape
     k_stored = steps * TILE_K
+    cfg = config or config_for(k_stored, n)
     if not 1 <= m <= ROW_TILE:
         raise ValueError(f"rows_matmul takes 1..{ROW_TILE} rows, got {m}")
     if x.dtype != jnp.bfloat16:
