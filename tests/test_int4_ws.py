@@ -219,6 +219,24 @@ def test_gpu_row_exact_and_close_to_the_reference(config, k):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
+def test_gpu_default_config_is_config_for_the_shape_and_row_exact_with_wide_tiles(monkeypatch):
+    # k = 2048, n = 8448: 528 units of 128-row tiles, 4 steps per CTA on 132 CTAs; 264 of 256-row tiles, 2 per CTA.
+    # With the step threshold lowered to 4 the rule takes the 256-row tiles, and rows_matmul's default must use them
+    monkeypatch.setattr(int4_ws, "sm_count", lambda: 132)
+    monkeypatch.setattr(int4_ws, "WIDE_MIN_STEPS", 4)
+    k, n = 2048, 8448
+    wide = int4_ws.config_for(k, n)
+    assert wide.tile_rows == 256
+    c = prepare_codes(_weight(k, n, seed=12))
+    x = jnp.asarray(np.random.default_rng(13).standard_normal((16, k)), jnp.bfloat16)
+    ms = list(range(1, 17))
+    ys = [np.asarray(y) for y in jax.jit(lambda x, c: [int4_ws.rows_matmul(x[:m], c) for m in ms])(x, c)]
+    for m, y in zip(ms, ys, strict=True):
+        assert np.array_equal(bits(y), bits(ys[-1][:m])), f"row mismatch between M={m} and M=16"
+    assert np.array_equal(bits(ys[-1]), bits(np.asarray(int4_ws.rows_matmul(x, c, config=wide))))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
 def test_gpu_k_chunks_do_not_change_the_bits():
     # chunks only reorder conversion against the asynchronous wgmma: the same wgmma instructions accumulate in the
     # same k order, so 1, 2 and 4 chunks per step give the same bits (two partitions: one and several segments)
