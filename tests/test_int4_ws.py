@@ -220,11 +220,11 @@ def test_gpu_row_exact_and_close_to_the_reference(config, k):
 
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
 def test_gpu_default_config_is_config_for_the_shape_and_row_exact_with_wide_tiles(monkeypatch):
-    # k = 2048, n = 8448: 528 units of 128-row tiles, 4 steps per CTA on 132 CTAs; 264 of 256-row tiles, 2 per CTA.
-    # With the step threshold lowered to 4 the rule takes the 256-row tiles, and rows_matmul's default must use them
+    # k = 2048, n = 16896: 1056 units of 128-row tiles, 8 steps per CTA on 132 CTAs; 528 of 256-row tiles, 4 per
+    # CTA. With the step threshold lowered to 8 the rule takes the 256-row tiles, and rows_matmul's default must too
     monkeypatch.setattr(int4_ws, "sm_count", lambda: 132)
-    monkeypatch.setattr(int4_ws, "WIDE_MIN_STEPS", 4)
-    k, n = 2048, 8448
+    monkeypatch.setattr(int4_ws, "WIDE_MIN_STEPS", 8)
+    k, n = 2048, 16896
     wide = int4_ws.config_for(k, n)
     assert wide.tile_rows == 256
     c = prepare_codes(_weight(k, n, seed=12))
