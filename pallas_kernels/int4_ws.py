@@ -185,23 +185,21 @@ def partition(k: int, n: int, cfg: Config) -> Partition:
     return Partition(tiles, steps, max(1, min(ctas, tiles * steps // cfg.min_steps)))
 
 
-# Wide tiles (`config_for`): the fewest 128-row pipeline steps per CTA at which 256-row tiles pay on the H200.
+# Wide tiles (`config_for`): the fewest 128-row pipeline steps per CTA from which 256-row tiles pay on the H200.
 WIDE_MIN_STEPS = 24
 
 
 def config_for(k: int, n: int) -> Config:
     """The Config `rows_matmul` uses for a [K (stored), N] weight, a function of the shape only: 256-row tiles (two
-    warpgroups of 128 rows: one x tile and one pipeline step per 36 KB of weights instead of 18) where the weight
-    gives each CTA at least WIDE_MIN_STEPS steps of the default 128-row tiles and the wider stream-K units cost no
-    extra steps; else the default. Kernel alone on the H200 (KERNEL_NOTES, seventeenth session): 6-10%
-    faster on lm_head and the Llama-3-8B / Qwen2.5-7B gate_up, 7-17% slower on qkv, o and down, whose few steps per
-    CTA the coarser units unbalance."""
+    warpgroups of 128 rows: one x tile and one pipeline step per 36 KB of weights instead of 18) where they fit N
+    and the default 128-row tiles give each CTA at least WIDE_MIN_STEPS steps; else the default. Kernel alone on
+    the H200 (KERNEL_NOTES, seventeenth session) a 256-row step costs ~0.93x two 128-row steps, and the wider
+    stream-K units add at most one 128-row step's worth per CTA, so from 24 steps on they win: 1.5-10% faster on
+    every lm_head and gate_up of the bench shapes; 7-33% slower on their qkv, o and down (4-17 steps per CTA),
+    where the wider tiles' longer ramp and coarser units cost more than the steps save."""
     narrow = Config()
     wide = dataclasses.replace(narrow, wg_rows=2 * narrow.wg_rows)
-    if not fits(k, n, wide):
-        return narrow
-    steps = partition(k, n, narrow).per_cta
-    return wide if steps >= WIDE_MIN_STEPS and 2 * partition(k, n, wide).per_cta <= steps else narrow
+    return wide if fits(k, n, wide) and partition(k, n, narrow).per_cta >= WIDE_MIN_STEPS else narrow
 
 
 def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> jax.Array:
