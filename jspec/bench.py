@@ -1428,8 +1428,69 @@ def _pct_cell(r: dict) -> str:
     return f"{100 * r['roofline_fraction']:.1f}%" if "roofline_fraction" in r else "n/a"
 
 
+def _plot_step_time(plt, models: dict, path: Path) -> bool:
+    """Per model, the decode step's wall time split into its GPU kernel groups and the time between kernels, against
+    the roofline time of the bytes it reads and the decode target's time (the roofline time / the target fraction).
+    False when no model has GPU kernel times (CPU runs)."""
+    steps = {n: m["decode"] for n, m in models.items() if m["decode"].get("gpu_kernels")}
+    if not steps:
+        return False
+    parts = [g for g, _ in KERNEL_GROUPS] + ["XLA ops", "between kernels"]
+    fig, ax = plt.subplots(figsize=(9, 2.2 + 0.7 * len(steps)))
+    target = TARGETS["decode_roofline_14b"]
+    for y, step in enumerate(steps.values()):
+        kernels = step["gpu_kernels"]
+        ms = dict(kernels["groups_us"], **{"between kernels": max(0.0, step["time_s"] * 1e6 - kernels["kernel_us"])})
+        left = 0.0
+        for i, part in enumerate(parts):
+            width = ms.get(part, 0.0) / 1e3
+            if width:
+                ax.barh(
+                    y,
+                    width,
+                    left=left,
+                    color=f"C{i}",
+                    label=part if part not in ax.get_legend_handles_labels()[1] else None,
+                )
+                left += width
+        ax.text(left, y, f" {left:.2f} ms, {kernels['launches']} launches", va="center", fontsize=8)
+        roof = step["roofline_time_s"] * 1e3
+        ax.vlines(
+            roof, y - 0.4, y + 0.4, color="black", lw=2, label="roofline time of the bytes read" if y == 0 else None
+        )
+        ax.vlines(
+            roof / target,
+            y - 0.4,
+            y + 0.4,
+            color="red",
+            ls="--",
+            lw=1.5,
+            label=f"decode target ({target:.0%} of roofline)" if y == 0 else None,
+        )
+    ax.set_xlim(0, 1.25 * max(s["time_s"] for s in steps.values()) * 1e3)
+    ax.set_yticks(range(len(steps)), list(steps))
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per decode step")
+    ax.set_title("Where a decode step's time goes (GPU kernel time by group, XLA profiler)")
+    handles, labels = ax.get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda i: parts.index(labels[i]) if labels[i] in parts else -1)
+    ax.legend(
+        [handles[i] for i in order],
+        [labels[i] for i in order],
+        fontsize=7,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12),
+        ncol=4,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def make_plots(data: dict, out_dir: str) -> list[str]:
     """roofline.png: each step kind's achieved read bandwidth as % of the roofline, per model (step time on the bar);
+    step_time.png (GPU runs): where each model's decode step time goes (`_plot_step_time`);
     speedup.png: speculative speedup against mean_accepted, with verify(k)'s break-even mean_accepted."""
     import matplotlib
 
@@ -1472,6 +1533,8 @@ def make_plots(data: dict, out_dir: str) -> list[str]:
         fig.tight_layout()
         fig.savefig(files[-1], dpi=120)
         plt.close(fig)
+        if _plot_step_time(plt, models, out / "step_time.png"):
+            files.append(str(out / "step_time.png"))
     e2e = data["sections"].get("e2e", {})
     variants = {k: v for k, v in e2e.get("variants", {}).items() if "configs" in v}
     if variants:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -186,6 +187,15 @@ def test_kernel_times_sums_the_gpu_stream_kernels_per_call_and_group():
         "loop_add_fusion",
         "jspec_attention_split",
     ]
+
+
+def test_step_time_plot_is_drawn_from_a_gpu_run(tmp_path):
+    """A run with GPU kernel times (the committed H200 bench) gets step_time.png next to the other plots; a CPU run
+    (no kernel times, `test_quick_peer_targets_plots_and_table`) does not."""
+    data = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/bench_h200.json").read_text())
+    files = bench.make_plots(data, str(tmp_path))
+    assert sorted(files) == sorted(str(tmp_path / f) for f in ("roofline.png", "step_time.png", "speedup.png"))
+    assert (tmp_path / "step_time.png").stat().st_size > 1000
 
 
 def test_profile_records_what_runs():
