@@ -1438,45 +1438,33 @@ def _plot_step_time(plt, models: dict, path: Path) -> bool:
     parts = [g for g, _ in KERNEL_GROUPS] + ["XLA ops", "between kernels"]
     fig, ax = plt.subplots(figsize=(9, 2.2 + 0.7 * len(steps)))
     target = TARGETS["decode_roofline_14b"]
+    legend = {}  # label -> the first artist drawn with it
     for y, step in enumerate(steps.values()):
         kernels = step["gpu_kernels"]
-        ms = dict(kernels["groups_us"], **{"between kernels": max(0.0, step["time_s"] * 1e6 - kernels["kernel_us"])})
+        us = dict(kernels["groups_us"], **{"between kernels": max(0.0, step["time_s"] * 1e6 - kernels["kernel_us"])})
         left = 0.0
         for i, part in enumerate(parts):
-            width = ms.get(part, 0.0) / 1e3
+            width = us.get(part, 0.0) / 1e3
             if width:
-                ax.barh(
-                    y,
-                    width,
-                    left=left,
-                    color=f"C{i}",
-                    label=part if part not in ax.get_legend_handles_labels()[1] else None,
-                )
+                legend.setdefault(part, ax.barh(y, width, left=left, color=f"C{i}"))
                 left += width
         ax.text(left, y, f" {left:.2f} ms, {kernels['launches']} launches", va="center", fontsize=8)
         roof = step["roofline_time_s"] * 1e3
-        ax.vlines(
-            roof, y - 0.4, y + 0.4, color="black", lw=2, label="roofline time of the bytes read" if y == 0 else None
-        )
-        ax.vlines(
-            roof / target,
-            y - 0.4,
-            y + 0.4,
-            color="red",
-            ls="--",
-            lw=1.5,
-            label=f"decode target ({target:.0%} of roofline)" if y == 0 else None,
+        legend.setdefault("roofline time of the bytes read", ax.vlines(roof, y - 0.4, y + 0.4, color="black", lw=2))
+        legend.setdefault(
+            f"decode target ({target:.0%} of roofline)",
+            ax.vlines(roof / target, y - 0.4, y + 0.4, color="red", ls="--", lw=1.5),
         )
     ax.set_xlim(0, 1.25 * max(s["time_s"] for s in steps.values()) * 1e3)
     ax.set_yticks(range(len(steps)), list(steps))
     ax.invert_yaxis()
     ax.set_xlabel("ms per decode step")
     ax.set_title("Where a decode step's time goes (GPU kernel time by group, XLA profiler)")
-    handles, labels = ax.get_legend_handles_labels()
-    order = sorted(range(len(labels)), key=lambda i: parts.index(labels[i]) if labels[i] in parts else -1)
+    markers = [label for label in legend if label not in parts]
+    labels = markers + [part for part in parts if part in legend]
     ax.legend(
-        [handles[i] for i in order],
-        [labels[i] for i in order],
+        [legend[label] for label in labels],
+        labels,
         fontsize=7,
         loc="upper center",
         bbox_to_anchor=(0.5, -0.12),
