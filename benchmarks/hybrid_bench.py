@@ -159,7 +159,7 @@ def bench_steps(cfg: ModelConfig, params: dict, dtype, args) -> dict:
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, args.prompt_len).astype(np.int32)
     t0 = time.perf_counter()
     state = init_state(cfg, max_len, dtype)
-    state, _, _ = jax.jit(jspec.prefill, static_argnums=1)(params, cfg, state, prompt, args.prompt_len)
+    state, _ = jax.jit(jspec.prefill, static_argnums=1)(params, cfg, state, prompt, args.prompt_len)
     jax.block_until_ready(state)
     out = dict(prompt_len=args.prompt_len, prefill_compile_and_run_s=time.perf_counter() - t0, ms={}, compile_s={})
 

@@ -4,7 +4,7 @@ Pipeline (one command, time-budgeted):
   1. corpus: the Python source files of the running interpreter (its standard library and installed packages),
      de-duplicated, split into train / held-out by a hash of each file's content;
   2. a byte-level BPE tokenizer trained with HuggingFace `tokenizers` (or an existing tokenizer.json);
-  3. training of jspec's dense params layout, with the forward of `jspec.models.dense.run` and the MTP loss of
+  3. training of jspec's dense params layout, with the forward of `jspec.models.dense.forward` and the MTP loss of
      `jspec.models.mtp.mtp_forward`, so the trained params are exactly what jspec runs: optax AdamW, linear warmup
      then cosine decay, bfloat16 compute on float32 master weights, `--minutes` of training;
   4. held-out loss and greedy samples (float32 and int4), int4 quantization of every linear
@@ -239,7 +239,7 @@ def model_losses(params: dict, cfg: ModelConfig, windows: jax.Array) -> tuple[ja
     inputs, nexts, after = windows[:, :-2], windows[:, 1:-1], windows[:, 2:]
 
     def one(tokens, next_tokens):
-        hidden, _ = dense.run(params, cfg, tokens)
+        hidden = dense.forward(params, cfg, tokens)
         return logits_from_hidden(params, cfg, hidden), mtp_forward(params, cfg, hidden, next_tokens)
 
     main_logits, mtp_logits = jax.vmap(one)(inputs, nexts)
@@ -332,7 +332,7 @@ def top1_agreement(params_a: dict, params_b: dict, cfg: ModelConfig, windows: np
 
     @jax.jit
     def argmax_tokens(params, tokens):
-        hidden, _ = jax.vmap(lambda t: dense.run(params, cfg, t))(tokens)
+        hidden = jax.vmap(lambda t: dense.forward(params, cfg, t))(tokens)
         return jnp.argmax(jax.vmap(lambda h: logits_from_hidden(params, cfg, h))(hidden), axis=-1)
 
     same = total = 0

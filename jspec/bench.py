@@ -1031,7 +1031,7 @@ def _run_variant(ctx: Context, engines: dict, kwargs: dict, vname: str, period, 
     greedy = runs["greedy/host"][0].tokens
     out = {
         "prompt_len": len(prompt),
-        "prefill_bucket": engines["greedy/host"].bucket(len(prompt)),
+        "prefill_chunks": -(-len(prompt) // engines["greedy/host"].prefill_chunk),
         "insert_period": period,
         "echo_fraction": 0.0 if vname == "filler" else period / (period + 1) if period else 1.0,
         "greedy_repeats_echo": common_prefix(greedy, g) / len(g),  # 1.0: greedy continued with G, as designed

@@ -1,16 +1,16 @@
 """Engine: owns the compiled executables of a model and drives generation.
 
-Host loop (default): per (drafter, gate, tie_guard) setting exactly two step executables — the decode round
-(decode_step, M=1) and the verify round (verify_step, M=k+1) — plus one prefill executable per prompt-length
-bucket. Each is compiled ahead of time once; the loop state is donated, so the KV cache is updated in place.
-On-device loop (`on_device=True`): prefill and the whole loop in one executable per bucket
+Host loop (default): per (drafter, gate, tie_guard) setting one executable per loop stage, each compiled ahead of
+time once, whatever the prompt: start (a fresh state holding the prompt, padded to max_len), prefill chunks (up to
+N chunks of `prefill_chunk` positions per call), the first round, decode rounds (decode_step, M=1) and verify
+rounds (verify_step, M=k+1). The loop state is donated, so the KV cache is updated in place.
+On-device loop (`on_device=True`): prefill and the whole loop in one executable
 (`jspec.generate.generate_on_device`), with the same rounds and therefore the same tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 import warnings
 from collections.abc import Sequence
@@ -22,12 +22,21 @@ import numpy as np
 from jspec.accept import TieGuard
 from jspec.config import ModelConfig
 from jspec.gate import HitDensityGate
-from jspec.generate import LoopSettings, generate_on_device, prefill_round, run_rounds
+from jspec.generate import (
+    MAX_EOS_IDS,
+    LoopSettings,
+    eos_array,
+    first_round,
+    generate_on_device,
+    prefill_rounds,
+    run_rounds,
+    start_loop,
+)
 from jspec.stats import STOP_REASONS, SpecStats
+from jspec.steps import PREFILL_CHUNK
 from pallas_kernels import get_backend, prepare_reference, prepare_ws
 from pallas_kernels.matmul import prepared_nbytes, reference_prep_fits, ws_prep_nbytes
 
-MIN_BUCKET = 16
 ROUNDS_PER_CALL = 16  # the host loop's rounds per device call (Engine.generate's rounds_per_call)
 # XLA options for the executables on a GPU: launch every run of ops, however short, and the on-device loop's
 # while / conditional, as CUDA graphs (command buffers). They change how kernels are launched, never what they
@@ -62,21 +71,39 @@ class Engine:
       `prepares_by_default` (both of those), unless the copy would not fit (`prep_shortfall`: over a quarter of
       physical memory for the reference halves, more than the device's free memory for the codes): then a warning
       says so and the weights stay as they are. `self.prepared` records the choice.
+    prefill_chunk: prompt positions per prefill chunk, one static shape for every prompt (None:
+      `default_prefill_chunk(max_len)`). A prompt of T tokens runs ceil(T / prefill_chunk) chunks; only the last
+      is padded. Prefill memory is the chunk's activations plus the cache, whatever T.
     """
 
     def __init__(
-        self, params: dict, cfg: ModelConfig, max_len: int, k: int = 4, dtype=None, prepare: bool | None = None
+        self,
+        params: dict,
+        cfg: ModelConfig,
+        max_len: int,
+        k: int = 4,
+        dtype=None,
+        prepare: bool | None = None,
+        prefill_chunk: int | None = None,
     ):
         if max_len < 2:
             raise ValueError(f"max_len must be >= 2, got {max_len}")
         self.cfg = cfg
         self.max_len = int(max_len)
         self.k = int(k)
+        self.prefill_chunk = default_prefill_chunk(self.max_len) if prefill_chunk is None else int(prefill_chunk)
+        LoopSettings(max_len=self.max_len, k=self.k, prefill_chunk=self.prefill_chunk)  # validates k and the chunk
+        if self.max_len > cfg.max_position_embeddings:
+            warnings.warn(
+                f"max_len {self.max_len} exceeds the model's max_position_embeddings {cfg.max_position_embeddings}: "
+                "it was never trained on positions past that, so text there may degrade (the cache and rotary "
+                "embedding run at any position)",
+                stacklevel=2,
+            )
         self.dtype = jnp.dtype(dtype or params["embed"].dtype).name
         backend = get_backend()
         self.prepared = resolve_prepare(prepare, params, self.dtype, backend)
         self.params = prepare_params(params, self.dtype, backend) if self.prepared else params
-        LoopSettings(max_len=self.max_len, k=self.k)  # validates k
         self._executables: dict[tuple, jax.stages.Compiled] = {}
         self.num_compiles = 0
 
@@ -89,14 +116,8 @@ class Engine:
             drafter=drafter,
             gate=gate,
             tie_guard=tie_guard or TieGuard(),
+            prefill_chunk=self.prefill_chunk,
         )
-
-    def bucket(self, prompt_len: int) -> int:
-        """Padded prompt length: the next power of two >= MIN_BUCKET, capped at max_len."""
-        size = MIN_BUCKET
-        while size < prompt_len:
-            size *= 2
-        return min(size, self.max_len)
 
     def _compile(self, key: tuple, fn, *args, donate: tuple[int, ...] = ()):
         if key not in self._executables:
@@ -105,38 +126,43 @@ class Engine:
             self.num_compiles += 1
         return self._executables[key]
 
-    def _request_args(self, bucket: int):
-        return (
-            jax.ShapeDtypeStruct((bucket,), jnp.int32),
-            jax.ShapeDtypeStruct((), jnp.int32),
-            jax.ShapeDtypeStruct((), jnp.int32),
-        )
+    def _request_args(self):
+        """Shapes of a request: the prompt padded to max_len, its length, max_new_tokens, the EOS ids."""
+        scalar = jax.ShapeDtypeStruct((), jnp.int32)
+        prompt = jax.ShapeDtypeStruct((self.max_len,), jnp.int32)
+        return prompt, scalar, scalar, jax.ShapeDtypeStruct((MAX_EOS_IDS,), jnp.int32)
 
-    def _prefill_exec(self, settings: LoopSettings, bucket: int, n_eos: int):
-        fn = functools.partial(prefill_round, cfg=self.cfg, settings=settings)
-        eos = jax.ShapeDtypeStruct((n_eos,), jnp.int32)
-
+    def _start_exec(self, settings: LoopSettings):
         def run(params, prompt, length, max_new, eos_ids):
-            return fn(params, prompt=prompt, length=length, max_new=max_new, eos_ids=eos_ids)
+            return start_loop(params, self.cfg, settings, prompt, length, max_new, eos_ids)
 
-        return self._compile(("prefill", settings, bucket, n_eos), run, self.params, *self._request_args(bucket), eos)
+        return self._compile(("start", settings), run, self.params, *self._request_args())
 
-    def _round_exec(self, kind: str, settings: LoopSettings, loop_shape):
-        """The executable running up to N rounds of one kind (decode or verify): one graph slot per kind."""
+    def _loop_exec(self, kind: str, settings: LoopSettings, loop_shape):
+        """The executable of one loop stage: up to N prefill chunks, the first round, or up to N rounds of one kind
+        (decode or verify). Each kind has its own executable; the loop state is donated."""
+        counted = jax.ShapeDtypeStruct((), jnp.int32)
+        if kind == "first":
+            return self._compile(
+                (kind, settings),
+                lambda params, loop: first_round(params, self.cfg, settings, loop),
+                self.params,
+                loop_shape,
+                donate=(1,),
+            )
 
-        def run(params, loop, max_rounds):
-            return run_rounds(params, self.cfg, settings, loop, max_rounds, verify=kind == "verify")
+        def run(params, loop, n):
+            if kind == "prefill":
+                return prefill_rounds(params, self.cfg, settings, loop, n)
+            return run_rounds(params, self.cfg, settings, loop, n, verify=kind == "verify")
 
-        rounds = jax.ShapeDtypeStruct((), jnp.int32)
-        return self._compile(
-            (kind, settings, jax.tree.structure(loop_shape)), run, self.params, loop_shape, rounds, donate=(1,)
-        )
+        return self._compile((kind, settings), run, self.params, loop_shape, counted, donate=(1,))
 
-    def _device_exec(self, settings: LoopSettings, bucket: int, eos_ids: tuple[int, ...]):
-        def run(params, prompt, length, max_new):
+    def _device_exec(self, settings: LoopSettings):
+        def run(params, prompt, length, max_new, eos_ids):
             return generate_on_device(params, self.cfg, prompt, length, max_new, settings, eos_ids)
 
-        return self._compile(("device", settings, bucket, eos_ids), run, self.params, *self._request_args(bucket))
+        return self._compile(("device", settings), run, self.params, *self._request_args())
 
     # ------------------------------------------------------------------------------------------------ generate
     def check_request(self, prompt_ids: Sequence[int], max_new_tokens: int | None) -> tuple[np.ndarray, int]:
@@ -186,34 +212,43 @@ class Engine:
         if rounds_per_call < 1:
             raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
         prompt, max_new = self.check_request(prompt_ids, max_new_tokens)
-        eos_ids = () if eos_id is None else (eos_id,) if isinstance(eos_id, int) else tuple(int(e) for e in eos_id)
+        eos = eos_array(eos_id)
         settings = self.settings(drafter, gate, tie_guard)
-        bucket = self.bucket(prompt.size)
-        padded = np.zeros((bucket,), np.int32)
+        padded = np.zeros((self.max_len,), np.int32)
         padded[: prompt.size] = prompt
-        args = (self.params, padded, np.int32(prompt.size), np.int32(max_new))
+        args = (self.params, padded, np.int32(prompt.size), np.int32(max_new), eos)
         stats = SpecStats(prompt_tokens=int(prompt.size), exact=settings.tie_guard.exact)
         if on_device:
-            run = self._device_exec(settings, bucket, eos_ids)
+            run = self._device_exec(settings)
             start = time.perf_counter()
             out = jax.device_get(run(*args))
             stats.wall_time_s = time.perf_counter() - start
             tokens = out.tokens[: int(out.num_tokens)]
             self._fill_stats(stats, out.counters, int(out.stop_reason), len(tokens), settings)
             return GenerationResult([int(t) for t in tokens], stats)
-        return self._host_loop(settings, bucket, args, eos_ids, stats, progress, rounds_per_call)
+        return self._host_loop(settings, args, stats, progress, rounds_per_call)
 
-    def _host_loop(
-        self, settings, bucket, args, eos_ids, stats: SpecStats, progress: bool, rounds_per_call: int
-    ) -> GenerationResult:
-        eos = np.asarray(list(eos_ids) or [-1], np.int32)
-        prefill_exec = self._prefill_exec(settings, bucket, eos.size)
-        loop_shape = prefill_exec.out_info
-        decode_exec = self._round_exec("decode", settings, loop_shape)
-        verify_exec = self._round_exec("verify", settings, loop_shape) if settings.drafter is not None else None
+    def _host_loop(self, settings, args, stats: SpecStats, progress: bool, rounds_per_call: int) -> GenerationResult:
+        start_exec = self._start_exec(settings)
+        loop_shape = start_exec.out_info
+        prefill_exec = self._loop_exec("prefill", settings, loop_shape)
+        first_exec = self._loop_exec("first", settings, loop_shape)
+        decode_exec = self._loop_exec("decode", settings, loop_shape)
+        verify_exec = self._loop_exec("verify", settings, loop_shape) if settings.drafter is not None else None
+        prompt_len = int(args[2])
+        chunks = -(-prompt_len // settings.prefill_chunk)
         start = time.perf_counter()
-        loop = prefill_exec(*args, eos)
-        bar = _progress_bar(int(args[3])) if progress else None
+        loop = start_exec(*args)
+        if progress and chunks > 1:  # one chunk per call, so the bar moves
+            bar = _progress_bar(prompt_len, "prefill", "tok")
+            for _ in range(chunks):
+                loop = prefill_exec(self.params, loop, np.int32(1))
+                bar.update(int(jax.device_get(loop.prefilled)) - bar.n)
+            bar.close()
+        else:
+            loop = prefill_exec(self.params, loop, np.int32(chunks))
+        loop = first_exec(self.params, loop)
+        bar = _progress_bar(int(args[3]), "generating", "tok") if progress else None
         use_verify, stop, n_out = jax.device_get((loop.use_verify, loop.stop, loop.n_out))
         stats.prefill_time_s = time.perf_counter() - start
         rounds = np.int32(rounds_per_call)
@@ -232,8 +267,8 @@ class Engine:
         if bar is not None:
             bar.close()
         stats.wall_time_s = time.perf_counter() - start
-        tokens_all, counters, prompt_len = jax.device_get((loop.state.tokens, loop.counters, loop.prompt_len))
-        tokens = tokens_all[int(prompt_len) : int(prompt_len) + int(n_out)]
+        tokens_all, counters = jax.device_get((loop.state.tokens, loop.counters))
+        tokens = tokens_all[prompt_len : prompt_len + int(n_out)]
         self._fill_stats(stats, counters, int(stop), len(tokens), settings)
         return GenerationResult([int(t) for t in tokens], stats)
 
@@ -257,6 +292,12 @@ class Engine:
         stats.would_hits = int(c.would_hits)
         stats.new_tokens = n_tokens
         stats.stop_reason = STOP_REASONS[stop]
+
+
+def default_prefill_chunk(max_len: int) -> int:
+    """`jspec.steps.PREFILL_CHUNK` positions, or max_len rounded up to 16 when the cache is shorter (a short engine
+    pays no more padding than its cache holds)."""
+    return min(PREFILL_CHUNK, -(-max_len // 16) * 16)
 
 
 def prepares_by_default(backend: str, dtype: str) -> bool:
@@ -313,10 +354,10 @@ def prepare_params(params, dtype: str, backend: str):
     raise ValueError(f"prepare=True: no int4 preparation for the {backend!r} kernel backend with {dtype} activations")
 
 
-def _progress_bar(total: int):
+def _progress_bar(total: int, desc: str, unit: str):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="tok", desc="generating", leave=False)
+    return tqdm(total=total, unit=unit, desc=desc, leave=False)
 
 
 def generate(

@@ -11,7 +11,7 @@ import numpy as np
 
 from jspec.config import ModelConfig
 from jspec.state import init_state
-from jspec.steps import commit, decode_step, prefill, verify_step
+from jspec.steps import PREFILL_CHUNK, commit, decode_step, prefill, verify_step
 from pallas_kernels import ROW_TILE
 
 
@@ -42,11 +42,8 @@ def verify_rows_match_decode(
     """
     dtype = jnp.dtype(dtype or params["embed"].dtype)
     prompt = np.asarray(prompt, np.int32)
-    bucket = max(16, 1 << int(np.ceil(np.log2(prompt.size))))
-    padded = np.zeros((min(bucket, max_len),), np.int32)
-    padded[: prompt.size] = prompt
     state = init_state(cfg, max_len, dtype)
-    state, _, _ = jax.jit(prefill, static_argnums=1)(params, cfg, state, padded, prompt.size)
+    state, _ = jax.jit(prefill, static_argnums=(1, 5))(params, cfg, state, prompt, prompt.size, PREFILL_CHUNK)
     draft = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=ROW_TILE).astype(np.int32)
     step = functools.partial(_decode_forced, params, cfg)
     decode_logits = forced_decode_logits(step, state, draft[: max(ks) + 1])

@@ -14,7 +14,7 @@ from jspec.models.layers import logits
 
 @functools.partial(jax.jit, static_argnums=1)
 def _forward(params: dict, cfg: ModelConfig, token_ids: jax.Array) -> jax.Array:
-    hidden, _ = family_module(cfg).run(params, cfg, token_ids)
+    hidden = family_module(cfg).forward(params, cfg, token_ids)
     return logits(params, cfg, hidden)
 
 

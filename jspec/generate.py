@@ -1,6 +1,6 @@
-"""The generation loop as pure functions: a prefill round, a decode round and a verify round over a `Loop`
-pytree. The Engine jits `run_rounds` of each kind into its own executable (decode rounds, verify rounds) and
-drives them from the host; `generate_on_device` runs the same rounds inside `lax.while_loop` and can be called
+"""The generation loop as pure functions over a `Loop` pytree: start (a fresh state holding the prompt), prefill
+chunks, the first round, then decode and verify rounds. The Engine jits each stage into its own executable and
+drives them from the host; `generate_on_device` runs the same stages inside `lax.while_loop` and can be called
 inside a user's `jax.jit`.
 
 A round = step (decode_step or verify_step) -> greedy accept -> commit -> record tokens and stats -> drafter
@@ -14,20 +14,25 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jspec.accept import TieGuard, greedy_accept, near_tie, tolerant_accept
 from jspec.config import ModelConfig
 from jspec.gate import HitDensityGate
 from jspec.state import DecodeState, init_state
-from jspec.steps import commit, decode_step, prefill, verify_step
+from jspec.steps import PREFILL_CHUNK, commit, decode_step, finish_prefill, prefill_chunk, verify_step, write_prompt
 from pallas_kernels import ROW_TILE
 
 STOP_RUNNING, STOP_EOS, STOP_MAX_NEW, STOP_CACHE_END = range(4)
+MAX_EOS_IDS = 8  # the fixed length of a request's EOS id array
 
 
 @dataclasses.dataclass(frozen=True)
 class LoopSettings:
-    """Static (hashable) settings of a generation loop; part of every compiled round's identity."""
+    """Static (hashable) settings of a generation loop; part of every compiled round's identity.
+
+    prefill_chunk: prompt positions per prefill chunk (every chunk runs at this one shape; the last is padded).
+    """
 
     max_len: int
     k: int
@@ -35,12 +40,26 @@ class LoopSettings:
     drafter: Any = None  # a Drafter or None (plain greedy)
     gate: HitDensityGate | None = None
     tie_guard: TieGuard = TieGuard()
+    prefill_chunk: int = PREFILL_CHUNK
 
     def __post_init__(self):
         if not 1 <= self.k <= ROW_TILE - 1:
             raise ValueError(f"k={self.k} out of range: need 1 <= k and k + 1 <= row tile {ROW_TILE}")
         if self.drafter is not None and getattr(self.drafter, "k", None) not in (None, self.k):
             raise ValueError(f"drafter k={self.drafter.k} differs from the engine's k={self.k}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+
+
+def eos_array(eos_ids) -> np.ndarray:
+    """EOS ids (an int, a sequence of ints, or None) -> int32 [MAX_EOS_IDS], -1 padded: one fixed shape, so every
+    request of an Engine runs the same executables whatever its number of EOS ids."""
+    ids = () if eos_ids is None else (eos_ids,) if isinstance(eos_ids, int | np.integer) else tuple(eos_ids)
+    if len(ids) > MAX_EOS_IDS:
+        raise ValueError(f"at most {MAX_EOS_IDS} EOS ids are supported, got {len(ids)}")
+    out = np.full((MAX_EOS_IDS,), -1, np.int32)
+    out[: len(ids)] = [int(e) for e in ids]
+    return out
 
 
 @jax.tree_util.register_dataclass
@@ -72,8 +91,9 @@ class Loop:
     """Carry of the generation loop.
 
     state: the DecodeState. draft int32 [k] / n_valid: the proposal for the next round. hits: the gate's ring.
-    prompt_len, max_new, eos_ids int32 [E] (-1 padded): the request. n_out: new tokens so far (the first comes
-    from prefill); they are state.tokens[prompt_len : prompt_len + n_out]. use_verify: the next round verifies.
+    prompt_len, max_new, eos_ids int32 [MAX_EOS_IDS] (-1 padded): the request. prefilled: prompt positions in the
+    cache so far. n_out: new tokens so far (the first comes from prefill); they are
+    state.tokens[prompt_len : prompt_len + n_out]. use_verify: the next round verifies.
     """
 
     state: DecodeState
@@ -83,6 +103,7 @@ class Loop:
     prompt_len: jax.Array
     max_new: jax.Array
     eos_ids: jax.Array
+    prefilled: jax.Array
     n_out: jax.Array
     stop: jax.Array
     use_verify: jax.Array
@@ -93,30 +114,68 @@ class Loop:
         return self.stop != STOP_RUNNING
 
 
-def prefill_round(
-    params: dict, cfg: ModelConfig, settings: LoopSettings, prompt: jax.Array, length, max_new, eos_ids
-) -> Loop:
-    """prompt int32 [T_bucket] padded, length int32 [], max_new int32 [], eos_ids int32 [E] -> the first Loop."""
-    state = init_state(cfg, settings.max_len, jnp.dtype(settings.dtype))
-    state, _, hidden = prefill(params, cfg, state, prompt, length)
+def start_loop(params: dict, cfg: ModelConfig, settings: LoopSettings, prompt: jax.Array, length, max_new, eos_ids):
+    """prompt int32 [P] padded (P <= max_len), length int32 [] (1..P), max_new int32 [], eos_ids int32
+    [MAX_EOS_IDS] -> the Loop before prefill: a fresh state holding the prompt, the drafter's empty state."""
+    state = write_prompt(init_state(cfg, settings.max_len, jnp.dtype(settings.dtype)), prompt)
     if settings.drafter is not None:
-        state = dataclasses.replace(state, drafter=settings.drafter.init(params, cfg, state, hidden, length))
+        state = dataclasses.replace(state, drafter=settings.drafter.init(params, cfg, state))
     gate = settings.gate
-    loop = Loop(
+    zero = jnp.zeros((), jnp.int32)
+    return Loop(
         state=state,
         draft=jnp.zeros((settings.k,), jnp.int32),
-        n_valid=jnp.zeros((), jnp.int32),
+        n_valid=zero,
         hits=gate.init() if gate else jnp.zeros((1,), jnp.int32),
         prompt_len=jnp.asarray(length, jnp.int32),
         max_new=jnp.asarray(max_new, jnp.int32),
         eos_ids=jnp.asarray(eos_ids, jnp.int32),
-        n_out=jnp.zeros((), jnp.int32),
+        prefilled=zero,
+        n_out=zero,
         stop=jnp.asarray(STOP_RUNNING, jnp.int32),
         use_verify=jnp.zeros((), bool),
         counters=Counters.zeros(settings.k),
     )
+
+
+def prefill_rounds(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop, max_chunks) -> Loop:
+    """Up to max_chunks (int32 []) prompt chunks of settings.prefill_chunk positions (`jspec.steps.prefill_chunk`),
+    each followed by the drafter's `prefill` over the chunk's hidden rows; stops when the prompt is in the cache."""
+    size = settings.prefill_chunk
+
+    def body(carry):
+        lp, i = carry
+        start = lp.prefilled
+        n_valid = jnp.minimum(lp.prompt_len - start, size)
+        state, hidden = prefill_chunk(params, cfg, lp.state, start, n_valid, size)
+        if settings.drafter is not None:
+            mine = settings.drafter.prefill(params, cfg, state, hidden, start, n_valid, lp.prompt_len)
+            state = dataclasses.replace(state, drafter=mine)
+        return dataclasses.replace(lp, state=state, prefilled=start + n_valid), i + 1
+
+    def more(carry):
+        lp, i = carry
+        return (lp.prefilled < lp.prompt_len) & (i < max_chunks)
+
+    loop, _ = jax.lax.while_loop(more, body, (loop, jnp.zeros((), jnp.int32)))
+    return loop
+
+
+def first_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop) -> Loop:
+    """After the last prompt chunk: commit the first generated token (the argmax after the prompt), then draft and
+    gate the first round."""
+    state, _ = finish_prefill(params, cfg, loop.state, loop.prompt_len)
     first = state.tokens[state.position][None]
     return _finish_round(params, cfg, settings, loop, state, first, jnp.asarray(1, jnp.int32), None)
+
+
+def prefill_round(
+    params: dict, cfg: ModelConfig, settings: LoopSettings, prompt: jax.Array, length, max_new, eos_ids
+) -> Loop:
+    """The whole prefill on device: `start_loop`, every chunk, `first_round` -> the Loop the rounds continue."""
+    loop = start_loop(params, cfg, settings, prompt, length, max_new, eos_ids)
+    loop = prefill_rounds(params, cfg, settings, loop, jnp.iinfo(jnp.int32).max)
+    return first_round(params, cfg, settings, loop)
 
 
 def decode_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop) -> Loop:
@@ -247,9 +306,10 @@ def generate_on_device(
 
     prompt int32 [T] (padded to any fixed length <= settings.max_len), prompt_len int32 [] (1..T),
     max_new_tokens int32 [] (prompt_len + max_new_tokens <= max_len is the caller's responsibility here; the
-    Engine checks it), eos_ids: int sequence. cfg and settings are static. Same rounds, same tokens as the Engine.
+    Engine checks it), eos_ids: an int, a sequence of up to MAX_EOS_IDS ints (static), or an int32 [MAX_EOS_IDS]
+    array (-1 padded; traced is fine). cfg and settings are static. Same rounds, same tokens as the Engine.
     """
-    eos = jnp.asarray(list(eos_ids) if len(eos_ids) else [-1], jnp.int32)
+    eos = eos_ids if isinstance(eos_ids, jax.Array) else eos_array(eos_ids)
     loop = prefill_round(params, cfg, settings, prompt, prompt_len, max_new_tokens, eos)
 
     def body(loop: Loop) -> Loop:

@@ -1,4 +1,5 @@
-"""Pure step functions over DecodeState: prefill, decode_step (M=1), verify_step (M=k+1), commit.
+"""Pure step functions over DecodeState: prefill (in chunks of one shape), decode_step (M=1), verify_step (M=k+1),
+commit.
 
 Both decode_step and verify_step run the model on one full row tile (ROW_TILE rows, padded tokens) at the
 current position, so every op sees the same shapes in both and row r depends only on row r (DESIGN 2.1):
@@ -19,30 +20,63 @@ from jspec.models.layers import logits as logits_from_hidden
 from jspec.state import DecodeState
 from pallas_kernels import ROW_TILE
 
+# Default prompt chunk: rows per prefill executable call. Large enough that the chunk's matmuls run at the GEMM's
+# speed rather than the weights' read speed, small enough that a short prompt pays little padding; see
+# `jspec.engine.default_prefill_chunk` for what an Engine picks.
+PREFILL_CHUNK = 512
 
-def prefill(params: dict, cfg: ModelConfig, state: DecodeState, prompt: jax.Array, length: jax.Array):
-    """Run the prompt from position 0 and set the first generated token pending.
 
-    prompt: int32 [T_bucket] (the prompt, padded), length: int32 [] true prompt length (1..T_bucket).
-    Returns (state, logits float32 [V] at position length-1, hidden [T_bucket, H] of every prompt row).
+def prefill_chunk(params: dict, cfg: ModelConfig, state: DecodeState, start, n_valid, size: int):
+    """Run the prompt chunk at positions start..start+size-1 (its tokens read from state.tokens, the first n_valid
+    real, 1 <= n_valid <= size): write its KV rows, attend the cache causally (flash path), carry the recurrent
+    state. Keeps the final-normed hidden row of the last real token in state.hidden[0] (for `finish_prefill`).
+
+    start, n_valid: int32 []; size: the chunk length (static). Returns (state, hidden [size, H]).
+    Memory: the chunk's activations (size x max(H, 2I) in the activation dtype) and one [Hq, size, 256] float32
+    block of attention scores (jnp path; a [block_q, block_k] tile per program in the kernel), never the prompt's.
     """
-    hidden, cache = family_module(cfg).run(params, cfg, prompt, state.cache, length=length)
-    last = jax.lax.dynamic_slice_in_dim(hidden, length - 1, 1)
-    logits = logits_from_hidden(params, cfg, last)[0]
-    tokens = jax.lax.dynamic_update_slice(state.tokens, prompt, (0,))
-    tokens = tokens.at[length].set(jnp.argmax(logits).astype(jnp.int32))
-    hidden_rows = jnp.zeros_like(state.hidden).at[0].set(last[0])
-    state = dataclasses.replace(
-        state, cache=cache, tokens=tokens, position=length, hidden=hidden_rows, slot=jnp.zeros((), jnp.int32)
-    )
-    return state, logits, hidden
+    index = start + jnp.arange(size, dtype=jnp.int32)
+    tokens = jnp.take(state.tokens, index, mode="fill", fill_value=0)  # past the buffer: padding, never clamped
+    hidden, cache = family_module(cfg).prefill_chunk(params, cfg, tokens, state.cache, start, n_valid)
+    last = jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, keepdims=False)
+    return dataclasses.replace(state, cache=cache, hidden=state.hidden.at[0].set(last)), hidden
+
+
+def finish_prefill(params: dict, cfg: ModelConfig, state: DecodeState, length):
+    """After the chunks of a prompt of `length` tokens (int32 []): set the first generated token pending.
+    Returns (state, float32 logits [V] at position length - 1)."""
+    logits = logits_from_hidden(params, cfg, state.hidden[:1])[0]
+    tokens = state.tokens.at[length].set(jnp.argmax(logits).astype(jnp.int32))
+    hidden = jnp.zeros_like(state.hidden).at[0].set(state.hidden[0])
+    state = dataclasses.replace(state, tokens=tokens, position=length, hidden=hidden, slot=jnp.zeros((), jnp.int32))
+    return state, logits
+
+
+def write_prompt(state: DecodeState, prompt: jax.Array) -> DecodeState:
+    """state with prompt int32 [P] (padded, P <= max_len) as its first token history entries."""
+    if prompt.shape[0] > state.max_len:
+        raise ValueError(f"prompt array of {prompt.shape[0]} tokens is longer than the cache's max_len {state.max_len}")
+    return dataclasses.replace(state, tokens=jax.lax.dynamic_update_slice(state.tokens, prompt.astype(jnp.int32), (0,)))
+
+
+def prefill(params: dict, cfg: ModelConfig, state: DecodeState, prompt: jax.Array, length, chunk: int = PREFILL_CHUNK):
+    """Run a whole prompt, chunk by chunk (`prefill_chunk`, `lax.while_loop` over ceil(length / chunk) chunks of
+    one shape), and set the first generated token pending. prompt int32 [P] padded (P <= max_len), length int32 []
+    the true prompt length (1..P). Returns (state, float32 logits [V] at position length - 1)."""
+    state = write_prompt(state, prompt)
+
+    def body(carry):
+        st, start = carry
+        st, _ = prefill_chunk(params, cfg, st, start, jnp.minimum(length - start, chunk), chunk)
+        return st, start + chunk
+
+    state, _ = jax.lax.while_loop(lambda c: c[1] < length, body, (state, jnp.zeros((), jnp.int32)))
+    return finish_prefill(params, cfg, state, length)
 
 
 def _tile_step(params: dict, cfg: ModelConfig, state: DecodeState, row_tokens: jax.Array, rows: int):
     """Run one row tile at state.position. row_tokens int32 [ROW_TILE]; rows = valid rows (static)."""
-    hidden, cache = family_module(cfg).run(
-        params, cfg, row_tokens, state.cache, start=state.position, slot=state.slot, rows=rows
-    )
+    hidden, cache = family_module(cfg).step(params, cfg, row_tokens, state.cache, state.position, state.slot, rows)
     logits = jax.lax.optimization_barrier(logits_from_hidden(params, cfg, hidden))
     return dataclasses.replace(state, cache=cache, hidden=hidden), logits
 

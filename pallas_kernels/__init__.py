@@ -4,11 +4,12 @@ Every kernel here obeys the row-tile rule (DESIGN 2.1): row r of the output depe
 bit for bit, whatever the number of rows M <= ROW_TILE.
 """
 
-from pallas_kernels.attention import attention, causal_attention
+from pallas_kernels.attention import attention
 from pallas_kernels.backend import ROW_TILE, get_backend, set_backend, use_backend
 from pallas_kernels.int4 import Int4Weight, dequantize, pack, quantize
 from pallas_kernels.int4_ws import Int4Codes
 from pallas_kernels.matmul import Int4Halves, linear, prepare_reference, prepare_ws, rows_matmul
+from pallas_kernels.prefill_attention import chunk_attention
 
 __all__ = [
     "ROW_TILE",
@@ -16,7 +17,7 @@ __all__ = [
     "Int4Halves",
     "Int4Weight",
     "attention",
-    "causal_attention",
+    "chunk_attention",
     "dequantize",
     "get_backend",
     "linear",

@@ -1,8 +1,8 @@
-"""Decode/verify attention against the KV cache (row-tile rule, DESIGN 2.2) and the prefill attention.
+"""Decode/verify attention against the KV cache (row-tile rule, DESIGN 2.2).
 
 `attention` is the decode/verify path: query rows at absolute positions start..start+M-1, each causal over the
-cache. Row r's output is bit-identical for every M <= ROW_TILE. `causal_attention` is the prefill / full-forward
-path over freshly computed keys and values.
+cache. Row r's output is bit-identical for every M <= ROW_TILE. Prefill and the full forward use the flash path of
+`pallas_kernels.prefill_attention` instead.
 """
 
 from __future__ import annotations
@@ -60,16 +60,3 @@ def reference_attention(q, kv_cache, start, *, scale: float) -> jax.Array:
     values = jnp.where((jnp.arange(s_len) <= start + tile - 1)[:, None, None], v_cache.astype(jnp.float32), 0.0)
     out = jnp.einsum("rhgs,shd->rhgd", probs, values) / denom
     return _backend.first_rows(out.reshape(tile, hq, d), m).astype(q.dtype)
-
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float) -> jax.Array:
-    """Prefill path: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D] in q.dtype, causal, float32 softmax."""
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    qg = q.astype(jnp.float32).reshape(t, hkv, hq // hkv, d)
-    scores = jnp.einsum("thgd,shd->hgts", qg, k.astype(jnp.float32)) * scale
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-    scores = jnp.where(causal, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("hgts,shd->thgd", probs, v.astype(jnp.float32))
-    return out.reshape(t, hq, d).astype(q.dtype)

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import backend as _backend
 
 L2_EPS = 1e-6  # as the FLA library / transformers: x * rsqrt(sum(x^2) + eps)
-CHUNK = 64  # prefill chunk length
+CHUNK = 64  # positions per block of the chunked (WY) form of the recurrence
 BLOCK_V = 32  # value columns per program of the recurrent kernel (state block [dk, BLOCK_V] float32 in registers)
 # Upper bound on one program's candidate-state block [R, dk, block_v] float32. On the H200 (jax 0.11.2, Triton) a
 # 256 KiB block (R=16, dk=128, block_v=32) failed to compile: "Shared memory size limit exceeded: requested 262144,
@@ -145,8 +145,9 @@ def _rows_pallas(states, slot, q, k, v, g, beta, count, *, interpret: bool):
     )(jnp.reshape(slot, (1,)).astype(jnp.int32), jnp.reshape(count, (1,)), states, q, k, v, g, beta)
 
 
-def chunk_gated_delta(q, k, v, g, beta, chunk: int = CHUNK):
-    """The recurrence over a whole sequence from a zero state, chunk by chunk (the WY / UT-transform form).
+def chunk_gated_delta(q, k, v, g, beta, chunk: int = CHUNK, state=None):
+    """The recurrence over a sequence from `state` (float32 [h, dk, dv]; None: zero), chunk by chunk (the WY /
+    UT-transform form).
 
     q/k [T, h, dk], v [T, h, dv], g/beta [T, h] float32 -> (out float32 [T, h, dv], final state [h, dk, dv]).
     A position with g = 0 and beta = 0 leaves the state unchanged (how prefill masks its padding).
@@ -192,6 +193,7 @@ def chunk_gated_delta(q, k, v, g, beta, chunk: int = CHUNK):
         return state, out
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (u_v, u_k, attn, q_decayed, k_decayed, chunk_decay))
-    state, out = jax.lax.scan(body, jnp.zeros((h, dk, dv), jnp.float32), xs)  # out [n, h, C, dv]
+    state = jnp.zeros((h, dk, dv), jnp.float32) if state is None else state.astype(jnp.float32)
+    state, out = jax.lax.scan(body, state, xs)  # out [n, h, C, dv]
     out = jnp.moveaxis(out, 1, 0).reshape(h, n * chunk, dv)[:, :t]
     return jnp.moveaxis(out, 0, 1), state

@@ -140,12 +140,12 @@ def test_gate_engages_when_drafts_hit():
 
 
 def test_no_compiles_after_warmup():
-    eng = jspec.Engine(engine().params, engine().cfg, max_len=MAX_LEN, k=3)
+    eng = jspec.Engine(engine().params, engine().cfg, max_len=MAX_LEN, k=3, prefill_chunk=16)
     drafter, gate = jspec.PromptLookup(), jspec.HitDensityGate(window=4, min_hits=1)
-    for prompt_len in (5, 20):  # warm two buckets (16 and 32)
-        eng.generate(list(range(1, prompt_len + 1)), 8, drafter=drafter, gate=gate)
+    for prompt_len in (5, 20):  # one chunk and two: the same executables
+        eng.generate(list(range(1, prompt_len + 1)), 8, drafter=drafter, gate=gate, eos_id=[5, 6])
     warm = eng.num_compiles
-    assert warm == 2 + 2  # two prefill buckets + decode rounds + verify rounds
+    assert warm == 5  # start, prefill chunks, first round, decode rounds, verify rounds
     compiles = []
     listener = lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None  # noqa: E731
     jax.monitoring.register_event_duration_secs_listener(listener)

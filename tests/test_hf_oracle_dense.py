@@ -13,11 +13,16 @@ such positions. The test asserts exactly those properties with margins (see the 
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import checkpoints
 import jspec
+from jspec.models.layers import logits
+from jspec.state import init_state
+from jspec.steps import prefill_chunk, write_prompt
 
 VARIANTS = ["qwen2", "qwen2_tied", "llama", "llama3_rope", "glm4", "glm4_tied"]
 
@@ -41,14 +46,40 @@ def test_forward_matches_transformers(variant, tiny_hf_model):
     assert np.max(np.abs(got - expected)) <= 1e-4 * np.max(np.abs(expected))
 
 
+def chunked_prefill_logits(params, cfg, ids: np.ndarray, chunk: int) -> np.ndarray:
+    """float32 logits [T, V] of every prompt position, from `jspec.steps.prefill_chunk` run chunk by chunk."""
+    size = -(-len(ids) // chunk) * chunk
+    state = write_prompt(init_state(cfg, size, jnp.float32), np.pad(ids, (0, size - len(ids))).astype(np.int32))
+    run = jax.jit(lambda s, start, n: prefill_chunk(params, cfg, s, start, n, chunk))
+    rows = []
+    for start in range(0, len(ids), chunk):
+        n = min(chunk, len(ids) - start)
+        state, hidden = run(state, start, n)
+        rows.append(np.asarray(logits(params, cfg, hidden[:n])))
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "llama3_rope", "glm4_tied"])
+def test_chunked_prefill_matches_transformers(variant, tiny_hf_model):
+    """Prefill in chunks of 16 over 60 positions (three chunk boundaries, the last chunk padded): every position's
+    logits match transformers' within the oracle tolerance."""
+    model, path = tiny_hf_model(variant)
+    params, cfg = checkpoints.load_hf(path)
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, 60)
+    expected = hf_logits(model, ids)
+    got = chunked_prefill_logits(params, cfg, ids, 16)
+    assert np.max(np.abs(got - expected)) <= 1e-4 * np.max(np.abs(expected))
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_greedy_matches_transformers(variant, tiny_hf_model):
+    """A 40-token prompt prefilled in chunks of 16 (two boundaries), then 32 greedy tokens."""
     import torch
     from transformers import GenerationConfig
 
     model, path = tiny_hf_model(variant)
     params, cfg = checkpoints.load_hf(path)
-    prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, 12)
+    prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, 40)
     greedy = GenerationConfig(max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         out = model.generate(
@@ -57,7 +88,8 @@ def test_greedy_matches_transformers(variant, tiny_hf_model):
         )  # fmt: skip
     expected = out[0, len(prompt) :].tolist()
     assert len(expected) == 32
-    assert jspec.generate(params, cfg, prompt.tolist(), max_new_tokens=32).tokens == expected
+    engine = jspec.Engine(params, cfg, max_len=len(prompt) + 32, k=4, prefill_chunk=16)
+    assert engine.generate(prompt.tolist(), max_new_tokens=32).tokens == expected
 
 
 # Floors for int4 vs float (measured values in the module docstring): they sit well below every measured model and

@@ -16,7 +16,7 @@ import jspec
 from checkpoints.hf_hybrid import qwen3_next_in_proj_order
 from jspec.config import ModelConfig, UnsupportedModelError
 from jspec.exactness import bits
-from jspec.generate import LoopSettings, decode_round, prefill_round
+from jspec.generate import LoopSettings, decode_round, eos_array, prefill_round
 from jspec.models import hybrid, quantize_linears
 from jspec.state import init_state
 from pallas_kernels import ROW_TILE, Int4Weight, quantize, use_backend
@@ -52,8 +52,9 @@ def test_hf_oracle_logits_and_greedy(variant, tiny_hf_model):
     logits = np.asarray(jspec.forward(params, cfg, ids))
     assert np.max(np.abs(logits - expected)) <= 1e-4 * np.max(np.abs(expected))
 
-    engine = jspec.Engine(params, cfg, max_len=128, k=3)
-    # Prefill over two chunks (bucket 128); for qwen3_next also a prompt shorter than the conv window.
+    engine = jspec.Engine(params, cfg, max_len=128, k=3, prefill_chunk=16)
+    # Prefill over five chunks (the recurrent state crosses four boundaries, the last chunk padded); for qwen3_next
+    # also a prompt shorter than the conv window.
     for prompt in (ids[:75], ids[:2]) if variant == "qwen3_next" else (ids[:75],):
         ids_t = torch.tensor(prompt[None])
         with torch.no_grad():  # an explicit mask: token 0 in a prompt is not padding
@@ -140,7 +141,7 @@ def _steps(dtype: str, int4: bool):
     padded = np.zeros((16,), np.int32)
     padded[: prompt.size] = prompt
     state = init_state(cfg, MAX_LEN, jnp.dtype(dtype))
-    state, _, _ = jax.jit(jspec.prefill, static_argnums=1)(params, cfg, state, padded, prompt.size)
+    state, _ = jax.jit(jspec.prefill, static_argnums=(1, 5))(params, cfg, state, padded, prompt.size, 8)
 
     def decode_and_force(p, s, token):
         s, logits = jspec.decode_step(p, cfg, s)
@@ -254,23 +255,22 @@ def test_chunked_prefill_equals_the_recurrence():
     np.testing.assert_allclose(final, expected_final, rtol=1e-5, atol=1e-5)
 
 
-def test_prefill_padding_leaves_the_state_alone():
-    """A prompt padded to a longer bucket leaves the same recurrent state and conv window in slot 0."""
+def test_prefill_chunks_carry_the_state_and_padding_leaves_it_alone():
+    """One unpadded chunk, chunks of 5 (the last padded) and one padded 64-row chunk leave the same recurrent state
+    and conv window in slot 0 and the same logits: the state crosses chunk boundaries, padding never enters it."""
     cfg, params = tiny_config("qwen3_next"), tiny_params()
     prompt = np.asarray([5, 17, 3, 42, 8, 8, 9, 1, 77, 30, 2, 11, 4], np.int32)
-    fill = jax.jit(jspec.prefill, static_argnums=1)
-    results = []
-    for bucket in (13, 64):
-        padded = np.full((bucket,), 7, np.int32)
-        padded[: prompt.size] = prompt
-        state, logits, _ = fill(params, cfg, init_state(cfg, MAX_LEN, jnp.float32), padded, prompt.size)
-        results.append((state, logits))
-    (a, la), (b, lb) = results
-    np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
-    for ca, cb in zip(a.cache, b.cache, strict=True):
-        if isinstance(ca, dict):
-            np.testing.assert_allclose(ca["ssm"][0], cb["ssm"][0], rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(ca["conv"][0], cb["conv"][0], rtol=1e-5, atol=1e-6)
+    padded = np.full((32,), 7, np.int32)  # the padding is a real token id: it must not reach the state
+    padded[: prompt.size] = prompt
+    fill = jax.jit(jspec.prefill, static_argnums=(1, 5))
+    results = [fill(params, cfg, init_state(cfg, MAX_LEN, jnp.float32), padded, prompt.size, c) for c in (13, 5, 64)]
+    (a, la), others = results[0], results[1:]
+    for b, lb in others:
+        np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
+        for ca, cb in zip(a.cache, b.cache, strict=True):
+            if isinstance(ca, dict):
+                np.testing.assert_allclose(ca["ssm"][0], cb["ssm"][0], rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(ca["conv"][0], cb["conv"][0], rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -309,7 +309,7 @@ def test_on_device_greedy_loop_matches_host_rounds():
     settings = LoopSettings(max_len=MAX_LEN, k=3, dtype="bfloat16")
     prompt = np.zeros((32,), np.int32)
     prompt[:20] = RANDOM_PROMPT
-    request = (jnp.int32(20), jnp.int32(6), jnp.asarray([-1], jnp.int32))
+    request = (jnp.int32(20), jnp.int32(6), eos_array(None))
     with use_backend("interpret"):
         first = jax.jit(lambda p, t: prefill_round(p, cfg, settings, t, *request))
         round_ = jax.jit(lambda p, loop: decode_round(p, cfg, settings, loop))

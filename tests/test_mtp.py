@@ -16,9 +16,12 @@ import pytest
 import checkpoints
 import jspec
 from jspec.accept import greedy_accept
+from jspec.generate import LoopSettings, eos_array, prefill_round
 from jspec.models import dense, family_module
+from jspec.models.layers import Run
 from jspec.models.mtp import init_mtp_params, mtp_forward, mtp_layer
 from jspec.state import init_state
+from jspec.steps import finish_prefill, prefill_chunk, write_prompt
 from pallas_kernels import Int4Weight, dequantize, quantize
 from tests.conftest import TINY_HF_CONFIGS, build_tiny_hf_model, randomize_
 from tests.tiny import tiny_config, tiny_params
@@ -275,10 +278,12 @@ def test_drafter_steps_match_full_forward():
     drafter = jspec.MTPDrafter()
 
     @jax.jit
-    def start(padded, length):
-        state = init_state(cfg, MAX_LEN, jnp.float32)
-        state, _, hidden = jspec.prefill(params, cfg, state, padded, length)
-        state = dataclasses.replace(state, drafter=drafter.init(params, cfg, state, hidden, length))
+    def start(padded, length):  # the prompt as one chunk: its hidden rows are the full forward's
+        state = write_prompt(init_state(cfg, MAX_LEN, jnp.float32), padded)
+        state = dataclasses.replace(state, drafter=drafter.init(params, cfg, state))
+        state, hidden = prefill_chunk(params, cfg, state, 0, length, padded.shape[0])
+        state = dataclasses.replace(state, drafter=drafter.prefill(params, cfg, state, hidden, 0, length, length))
+        state, _ = finish_prefill(params, cfg, state, length)
         return drafter.propose(params, cfg, state, k), hidden
 
     @jax.jit
@@ -320,8 +325,8 @@ def test_drafter_steps_match_full_forward():
     for i in range(num_layers):
         cache = state.drafter["cache"][i]
         empty = jnp.zeros_like(cache)
-        positions = jnp.arange(t, dtype=jnp.int32)
-        chain, _, full = mtp_layer(params, cfg, chain, jnp.asarray(truth[i + 1 : t + i + 1]), positions, empty, None, i)
+        tokens = jnp.asarray(truth[i + 1 : t + i + 1])
+        chain, _, full = mtp_layer(params, cfg, chain, tokens, empty, Run.prefill(0, t), i)
         np.testing.assert_allclose(np.asarray(cache[: t - i]), np.asarray(full[: t - i]), atol=2e-5, rtol=1e-4)
 
 
@@ -333,7 +338,7 @@ def test_trained_mtp_head_is_accepted():
     params, cfg = mtp_model("qwen2", 1)
     prompts = [[5, 17, 3, 42, 8, 8, 9], [60, 2, 2, 71, 33, 1, 50], [11, 90, 4, 4, 4, 18, 52]]
     seqs = jnp.asarray([p + greedy("qwen2", 1, "float32", tuple(p), 40) for p in prompts], jnp.int32)
-    hidden = jax.jit(jax.vmap(lambda s: dense.run(params, cfg, s)[0]))(seqs)
+    hidden = jax.jit(jax.vmap(lambda s: dense.forward(params, cfg, s)))(seqs)
 
     def loss_fn(head):
         logits = jax.vmap(lambda h, s: mtp_forward({**params, "mtp": head}, cfg, h[:-2], s[1:-1]))(hidden, seqs)
@@ -390,3 +395,22 @@ def test_hybrid_mtp_speculative_equals_greedy():
     result = eng.generate(prompt, 30, drafter=jspec.MTPDrafter())
     assert result.tokens == expected
     assert result.stats.verify_steps > 0
+
+
+def test_chunked_prefill_fills_the_mtp_caches_as_one_chunk():
+    """A 30-token prompt in chunks of 8 (the last padded) leaves every MTP layer's cache and the carry its first
+    round reads as a one-chunk prefill does (float32 rounding), and MTP speculation still gives greedy's tokens."""
+    params, cfg = mtp_model("qwen2", 2)
+    prompt = np.random.default_rng(4).integers(0, cfg.vocab_size, 30).astype(np.int32)
+    loops = []
+    for chunk in (8, 32):
+        settings = LoopSettings(max_len=MAX_LEN, k=3, drafter=jspec.MTPDrafter(), prefill_chunk=chunk)
+        run = jax.jit(lambda p, x, s=settings: prefill_round(p, cfg, s, x, jnp.int32(30), 10, eos_array(None)))
+        loops.append(run(params, np.pad(prompt, (0, 2))))
+    chunked, whole = (loop.state.drafter for loop in loops)
+    for a, b in zip(chunked["cache"], whole["cache"], strict=True):
+        np.testing.assert_allclose(np.asarray(a[:32]), np.asarray(b[:32]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(chunked["carry"]), np.asarray(whole["carry"]), rtol=1e-5, atol=1e-5)
+    engine = jspec.Engine(params, cfg, max_len=MAX_LEN, k=3, prefill_chunk=8)
+    expected = greedy("qwen2", 2, "float32", tuple(prompt.tolist()), 20)
+    assert engine.generate(prompt.tolist(), 20, drafter=jspec.MTPDrafter()).tokens == expected

@@ -69,7 +69,7 @@ def test_a_step_writes_each_layer_cache_with_one_update(family):
 
 def _prefilled(cfg, params):
     padded = jnp.zeros((16,), jnp.int32).at[: len(PROMPT)].set(jnp.asarray(PROMPT))
-    state, _, _ = jspec.prefill(params, cfg, init_state(cfg, MAX_LEN, jnp.float32), padded, len(PROMPT))
+    state, _ = jspec.prefill(params, cfg, init_state(cfg, MAX_LEN, jnp.float32), padded, len(PROMPT))
     return state
 
 

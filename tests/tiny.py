@@ -76,7 +76,10 @@ class ScriptDrafter:
     vocab: int = 96
     k: int | None = None
 
-    def init(self, params, cfg, state, prompt_hidden, length):
+    def init(self, params, cfg, state):
+        return None
+
+    def prefill(self, params, cfg, state, hidden, start, n_valid, length):
         return None
 
     def propose(self, params, cfg, state, k):

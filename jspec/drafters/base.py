@@ -14,7 +14,10 @@ class Drafter(Protocol):
     """A drafter is a frozen, hashable dataclass (it is part of the compiled executables' identity).
 
     k: its own draft length, or None to take the engine's k.
-    init: called inside prefill; returns the drafter's own state pytree (stored in DecodeState.drafter).
+    init: called before the prompt (state holds the prompt's tokens, nothing in the cache yet); returns the
+      drafter's own empty state pytree (stored in DecodeState.drafter; None for a stateless drafter).
+    prefill: called after every prompt chunk with the chunk's final-normed hidden rows [C, H] at positions
+      start..start+C-1 (the first n_valid real) and the prompt length; returns the drafter's state.
     propose: called after every commit; returns (state, draft int32 [k], n_valid int32 []) where only the
       first n_valid draft tokens are proposals (0 = a miss: nothing proposed). Must not change anything in
       the state but its own `drafter` field.
@@ -22,8 +25,10 @@ class Drafter(Protocol):
 
     k: int | None
 
-    def init(
-        self, params: dict, cfg: ModelConfig, state: DecodeState, prompt_hidden: jax.Array, length: jax.Array
+    def init(self, params: dict, cfg: ModelConfig, state: DecodeState) -> Any: ...
+
+    def prefill(
+        self, params: dict, cfg: ModelConfig, state: DecodeState, hidden: jax.Array, start, n_valid, length
     ) -> Any: ...
 
     def propose(

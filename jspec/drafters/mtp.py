@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jspec.config import ModelConfig
 from jspec.models.dense import kv_cache
+from jspec.models.layers import Run
 from jspec.models.layers import logits as logits_from_hidden
 from jspec.models.mtp import mtp_layer
 from jspec.state import DecodeState, physical_length
@@ -41,23 +42,33 @@ class MTPDrafter:
         if self.k is not None and not 1 <= self.k <= ROW_TILE - 1:
             raise ValueError(f"MTPDrafter k must be in 1..{ROW_TILE - 1}, got {self.k}")
 
-    def init(self, params: dict, cfg: ModelConfig, state: DecodeState, prompt_hidden: jax.Array, length: jax.Array):
-        """Fill every MTP layer's KV cache over the prompt (prefill path). prompt_hidden [T_bucket, H]."""
+    def init(self, params: dict, cfg: ModelConfig, state: DecodeState):
+        """Empty KV caches, one per MTP layer, and the carry [layers - 1, H]."""
         num_layers = _num_layers(params, cfg)
-        t = prompt_hidden.shape[0]
         # Chain steps write a row tile at up to position max_len - 1 + (ROW_TILE - 2): room for that tile too.
         length_rows = physical_length(state.max_len + ROW_TILE)
-        positions = jnp.arange(t, dtype=jnp.int32)
-        hidden, caches, carry = prompt_hidden, [], []
-        for i in range(num_layers):
-            tokens = jax.lax.dynamic_slice_in_dim(state.tokens, i + 1, t)  # the token at t + i + 1 for row t
-            empty = kv_cache(cfg, length_rows, hidden.dtype)
-            chain, _, cache = mtp_layer(params, cfg, hidden, tokens, positions, empty, None, i)
-            caches.append(cache)
-            if i + 1 < num_layers:  # layer i+1's first round needs layer i's output at position length - 1 - (i+1)
-                carry.append(chain[jnp.maximum(length - 2 - i, 0)])
-            hidden = chain
-        carry = jnp.stack(carry) if carry else jnp.zeros((0, cfg.hidden_size), prompt_hidden.dtype)
+        caches = tuple(kv_cache(cfg, length_rows, state.hidden.dtype) for _ in range(num_layers))
+        return dict(cache=caches, carry=jnp.zeros((num_layers - 1, cfg.hidden_size), state.hidden.dtype))
+
+    def prefill(self, params: dict, cfg: ModelConfig, state: DecodeState, hidden, start, n_valid, length):
+        """Fill every MTP layer's KV cache over one prompt chunk (hidden [C, H] at positions start..start+C-1).
+
+        Layer i's row t takes the token at t + i + 1 from the prompt; rows whose token lies past the prompt
+        (t >= length - 1 - i) get padding, and the first `propose` recomputes exactly those rows. The carry keeps
+        layer i's chain hidden at position length - 2 - i (layer i + 1's first row) when this chunk holds it.
+        """
+        c = hidden.shape[0]
+        run = Run.prefill(start, n_valid)
+        caches, carry = list(state.drafter["cache"]), state.drafter["carry"]
+        for i in range(len(caches)):
+            index = start + i + 1 + jnp.arange(c, dtype=jnp.int32)
+            tokens = jnp.take(state.tokens, index, mode="fill", fill_value=0)
+            hidden, _, caches[i] = mtp_layer(params, cfg, hidden, tokens, caches[i], run, i)
+            if i + 1 < len(caches):
+                at = jnp.maximum(length - 2 - i, 0) - start
+                held = (at >= 0) & (at < n_valid)
+                row = jax.lax.dynamic_index_in_dim(hidden, jnp.clip(at, 0, c - 1), keepdims=False)
+                carry = carry.at[i].set(jnp.where(held, row, carry[i]))
         return dict(cache=tuple(caches), carry=carry)
 
     def propose(self, params: dict, cfg: ModelConfig, state: DecodeState, k: int):
@@ -89,9 +100,8 @@ class MTPDrafter:
                 cfg,
                 jnp.roll(hidden, -shift, axis=0),
                 jnp.roll(tokens, -shift),
-                start + jnp.arange(ROW_TILE, dtype=jnp.int32),
                 caches[i],
-                start,
+                Run.step(start, ROW_TILE),
                 i,
             )
             hidden = jnp.roll(chain, shift, axis=0)
@@ -102,12 +112,9 @@ class MTPDrafter:
             cache, h, d = carry_state
             rows_h = jnp.zeros((ROW_TILE, h.shape[-1]), h.dtype).at[0].set(h)
             rows_t = jnp.zeros((ROW_TILE,), jnp.int32).at[0].set(d)
-            start = p + offset
-            positions = start + jnp.arange(ROW_TILE, dtype=jnp.int32)
             # one real row: only it attends (a row's bits do not depend on the others, DESIGN 2.2)
-            chain, normed, cache = mtp_layer(
-                params, cfg, rows_h, rows_t, positions, cache, start, num_layers - 1, rows=1
-            )
+            run = Run.step(p + offset, rows=1)
+            chain, normed, cache = mtp_layer(params, cfg, rows_h, rows_t, cache, run, num_layers - 1)
             d = _argmax_row(params, cfg, normed[0])
             return (cache, chain[0], d), d
 

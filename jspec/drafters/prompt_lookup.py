@@ -29,7 +29,10 @@ class PromptLookup:
         if self.k is not None and self.k < 1:
             raise ValueError(f"PromptLookup k must be >= 1, got {self.k}")
 
-    def init(self, params, cfg: ModelConfig, state: DecodeState, prompt_hidden, length):
+    def init(self, params, cfg: ModelConfig, state: DecodeState):
+        return None
+
+    def prefill(self, params, cfg: ModelConfig, state: DecodeState, hidden, start, n_valid, length):
         return None
 
     def propose(self, params, cfg: ModelConfig, state: DecodeState, k: int):

@@ -1,10 +1,12 @@
-"""Model families. Each family module provides `init_params`, `init_cache` and `run` with the same signature:
+"""Model families. Each family module (dense, hybrid) provides the same entry points:
 
-  run(params, cfg, tokens [T], cache=None, *, start=None, length=None, slot=None, rows=None)
-      -> (final-normed hidden [T, H], cache)
-
-cache None: full causal forward; start None: prefill from position 0 (length = true prompt length);
-start given: one row-tile step at positions start..start+T-1 (rows = valid rows, slot = committed slot).
+init_params(cfg, key, dtype, scale) -> params;  init_cache(cfg, length, dtype) -> cache pytree
+forward(params, cfg, tokens [T]) -> final-normed hidden [T, H]              full causal, no cache
+prefill_chunk(params, cfg, tokens [C], cache, start, n_valid) -> (hidden [C, H], cache)
+    one prompt chunk at positions start..start+C-1, the first n_valid rows real (flash attention)
+step(params, cfg, tokens [ROW_TILE], cache, start, slot, rows) -> (hidden [ROW_TILE, H], cache)
+    one row tile at start, `rows` valid (static), recurrent layers from candidate `slot` (row-exact kernels)
+attention_layer(p, cfg, x, positions, cache, run) -> (x, cache)             one attention decoder layer (MTP)
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Dense decoder families: qwen2 (qkv bias), llama (llama3 rope scaling), glm4 (partial interleaved rotary,
-post-attention and post-MLP norms). One layer function serves the full forward, prefill and the row-tile steps.
+post-attention and post-MLP norms). One layer function serves the three ways a model runs (`layers.Run`): the full
+forward, a prefill chunk and a row-tile step; `forward`, `prefill_chunk` and `step` are the family's entry points.
 
 Params (a plain dict pytree; every linear weight is dense [K, N] or an int4 `Int4Weight`):
   embed [V, H]; final_norm [H]; lm_head [H, V] (absent when tied and not quantized)
@@ -15,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config import ModelConfig
-from jspec.models.layers import apply_rope, rms_norm, swiglu_mlp
-from pallas_kernels import attention, causal_attention, linear
+from jspec.models.layers import FORWARD, PREFILL, Run, apply_rope, rms_norm, swiglu_mlp
+from pallas_kernels import attention, chunk_attention, linear
 
 
 def kv_cache(cfg: ModelConfig, length: int, dtype) -> jax.Array:
@@ -37,35 +38,41 @@ def _project_qkv(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
     return q, k, v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
 
 
-def attend(p: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array, cache, start, rows=None):
-    """Attention sub-block on normed h [T, H] -> ([T, Hq*D], cache).
-
-    cache None: full causal forward. start None: prefill (write rows 0..T-1, attend the fresh keys).
-    Else: a row-tile step (T == ROW_TILE): write rows start..start+T-1, attend the cache with the kernel; rows
-    (static, default T): the step's valid rows, the only ones that attend (the others' output is zero).
-    """
+def attend(p: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array, cache, run: Run):
+    """Attention sub-block on normed h [T, H] at `positions` -> ([T, Hq*D], cache); how it meets the cache: `run`."""
     q, k, v = _project_qkv(p, cfg, h, positions)
-    out, cache = cached_attention(cfg, q, k, v, cache, start, rows)
+    out, cache = cached_attention(cfg, q, k, v, cache, run)
     return out.reshape(h.shape[0], cfg.q_size), cache
 
 
-def cached_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, cache, start, rows=None):
-    """q [T, Hq, D], k/v [T, Hkv, D] (rotated) -> ([T, Hq, D], cache); cache/start/rows as in `attend`."""
+def cached_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, cache, run: Run):
+    """q [T, Hq, D], k/v [T, Hkv, D] (rotated) -> ([T, Hq, D], cache).
+
+    forward: flash attention over the fresh keys (no cache). prefill: write the chunk's rows start..start+T-1
+    (rows past the cache are dropped), then flash attention over the cache. step: write the row tile's rows, then
+    the row-exact decode / verify kernel, whose first `run.rows` rows attend.
+    """
     scale = cfg.head_dim**-0.5
-    if cache is None:
-        return causal_attention(q, k, v, scale=scale), None
-    row = 0 if start is None else start
-    cache = jax.lax.dynamic_update_slice(cache, jnp.stack([k, v], axis=2).astype(cache.dtype), (row, 0, 0, 0))
-    if start is None:
-        out = causal_attention(q, k, v, scale=scale)
-    else:
-        out = attention(q, cache, start, scale=scale, rows=rows)
-    return out, cache
+    fresh = jnp.stack([k, v], axis=2)
+    if run.kind == FORWARD:
+        return chunk_attention(q, fresh, 0, scale=scale), None
+    if run.kind == PREFILL:
+        cache = write_rows(cache, fresh, run.start)
+        return chunk_attention(q, cache, run.start, scale=scale), cache
+    cache = jax.lax.dynamic_update_slice(cache, fresh.astype(cache.dtype), (run.start, 0, 0, 0))
+    return attention(q, cache, run.start, scale=scale, rows=run.rows), cache
 
 
-def layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache, start, rows=None):
-    """One decoder layer on the residual stream x [T, H] (see `attend` for cache/start/rows)."""
-    h, cache = attend(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), positions, cache, start, rows)
+def write_rows(cache: jax.Array, rows: jax.Array, start) -> jax.Array:
+    """cache [S, ...] with rows [T, ...] written at start..start+T-1; rows that fall past S are dropped (a
+    dynamic_update_slice would move the whole write back instead)."""
+    index = start + jnp.arange(rows.shape[0], dtype=jnp.int32)
+    return cache.at[index].set(rows.astype(cache.dtype), mode="drop", indices_are_sorted=True, unique_indices=True)
+
+
+def layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache, run: Run):
+    """One decoder layer on the residual stream x [T, H] (see `cached_attention` for cache and run)."""
+    h, cache = attend(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), positions, cache, run)
     out = linear(h, p["o"], p.get("o_bias"))
     if cfg.post_norms:
         out = rms_norm(out, p["post_self_attn_norm"], cfg.rms_norm_eps)
@@ -79,23 +86,35 @@ def layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache, 
 attention_layer = layer  # the family's attention decoder layer (used by the MTP head, jspec.models.mtp)
 
 
-def run(
-    params: dict, cfg: ModelConfig, tokens: jax.Array, cache=None, *, start=None, length=None, slot=None, rows=None
-):
-    """Embed tokens [T], run every layer, final norm -> (hidden [T, H], cache). cache/start/rows as in `attend`.
-
-    length (prefill's true prompt length) and slot (the step's committed slot) matter only to recurrent families;
-    dense layers ignore them.
-    """
-    del length, slot
-    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32) + (0 if start is None else start)
+def _layers(params: dict, cfg: ModelConfig, tokens: jax.Array, cache, run: Run):
+    """Embed tokens [T] at run.positions(T), every layer, final norm -> (hidden [T, H], cache)."""
+    positions = run.positions(tokens.shape[0])
     x = params["embed"][tokens]
     new_cache = []
     for i, p in enumerate(params["layers"]):
-        x, layer_cache = layer(p, cfg, x, positions, None if cache is None else cache[i], start, rows)
+        x, layer_cache = layer(p, cfg, x, positions, None if cache is None else cache[i], run)
         new_cache.append(layer_cache)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return x, None if cache is None else tuple(new_cache)
+
+
+def forward(params: dict, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Full causal forward of tokens [T] at positions 0..T-1, no cache -> final-normed hidden [T, H]."""
+    return _layers(params, cfg, tokens, None, Run.forward())[0]
+
+
+def prefill_chunk(params: dict, cfg: ModelConfig, tokens: jax.Array, cache, start, n_valid):
+    """One prompt chunk tokens [C] at positions start..start+C-1 -> (hidden [C, H], cache). Its rows from n_valid
+    on are padding: they write only cache rows past the prompt, which decode overwrites before any query reads."""
+    del n_valid
+    return _layers(params, cfg, tokens, cache, Run.prefill(start))
+
+
+def step(params: dict, cfg: ModelConfig, tokens: jax.Array, cache, start, slot, rows: int):
+    """One row tile tokens [ROW_TILE] at positions start.. (`rows` valid, static) -> (hidden [ROW_TILE, H], cache).
+    slot (the committed recurrent candidate) matters to recurrent families only."""
+    del slot
+    return _layers(params, cfg, tokens, cache, Run.step(start, rows))
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.05) -> dict:

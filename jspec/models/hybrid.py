@@ -14,7 +14,8 @@ Params (a plain dict pytree; every linear weight is dense [K, N] or an int4 `Int
 Cache, one entry per layer: full attention kv [S, Hkv, 2, D] (keys, values) in the activation dtype; Gated DeltaNet
   {"conv": [R, W-1, 2 Kd + Vd] activation dtype, "ssm": float32 [R, nv, dk, dv]} with R = ROW_TILE candidate slots:
   slot `state.slot` holds the committed state; a row-tile step advances `rows` positions from it and leaves the
-  post-state after row i in slot i (prefill leaves its final state in slot 0), so `commit` rolls back by selecting.
+  post-state after row i in slot i (each prefill chunk continues from slot 0 and leaves its final state there), so
+  `commit` rolls back by selecting.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 
 from jspec.config import ModelConfig
 from jspec.models.dense import cached_attention, kv_cache
-from jspec.models.layers import apply_rope, rms_norm, swiglu_mlp
+from jspec.models.layers import FORWARD, PREFILL, STEP, Run, apply_rope, rms_norm, swiglu_mlp
 from pallas_kernels import ROW_TILE, linear
 from pallas_kernels.recurrent import causal_conv, chunk_gated_delta, conv_window, gdn_rows, l2_normalize
 
@@ -60,16 +61,16 @@ def init_cache(cfg: ModelConfig, length: int, dtype) -> tuple:
     )
 
 
-def attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache, start, rows=None):
-    """Gated-attention decoder layer (+ MLP) on the residual stream x [T, H] -> (x, cache); cache/start/rows as in
-    `jspec.models.dense.attend` (cache None: full causal; start None: prefill; else a row-tile step)."""
+def attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache, run: Run):
+    """Gated-attention decoder layer (+ MLP) on the residual stream x [T, H] -> (x, cache); cache and run as in
+    `jspec.models.dense.cached_attention`."""
     t, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qkv = linear(_norm(x, p["input_norm"], cfg), p["qkv"], p.get("qkv_bias"))
     q_gate, k, v = jnp.split(qkv, [2 * cfg.q_size, 2 * cfg.q_size + cfg.kv_size], axis=-1)
     q, gate = jnp.split(q_gate.reshape(t, hq, 2 * d), 2, axis=-1)
     q = apply_rope(_norm(q, p["q_norm"], cfg), positions, cfg)
     k = apply_rope(_norm(k.reshape(t, hkv, d), p["k_norm"], cfg), positions, cfg)
-    out, cache = cached_attention(cfg, q, k, v.reshape(t, hkv, d), cache, start, rows)
+    out, cache = cached_attention(cfg, q, k, v.reshape(t, hkv, d), cache, run)
     out = out.reshape(t, cfg.q_size) * jax.nn.sigmoid(gate.reshape(t, cfg.q_size))
     return _mlp_block(p, cfg, x + linear(out, p["o"], p.get("o_bias"))), cache
 
@@ -79,9 +80,13 @@ def _gated_norm(x: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> ja
     return (rms_norm(x, weight, eps).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
 
 
-def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, start, length, slot, rows):
-    """Gated DeltaNet token mixer on normed h [T, H] -> ([T, H], cache). cache None: full forward from a zero state;
-    start None: prefill of `length` valid rows (padding leaves the state alone) into slot 0; else a row-tile step."""
+def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, run: Run):
+    """Gated DeltaNet token mixer on normed h [T, H] -> ([T, H], cache).
+
+    forward: from a zero state, no cache. prefill: from the committed state (candidate slot 0; zero before the
+    first chunk), the rows from run.n_valid on masked (g = 0, beta = 0 leave the state alone), the state after the
+    last real row left in slot 0. step: `gdn_rows` from candidate run.slot, every post-state kept.
+    """
     t, dtype = h.shape[0], h.dtype
     nk, nv, dk, dv = (
         cfg.linear_num_key_heads,
@@ -92,8 +97,12 @@ def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, start, length
     key_dim, value_dim, conv_dim = _dims(cfg)
     width = cfg.linear_conv_kernel_dim
     mixed, z, b, a = jnp.split(linear(h, p["in_proj"]), [conv_dim, conv_dim + value_dim, conv_dim + value_dim + nv], -1)
-    stepping = cache is not None and start is not None
-    window = cache["conv"][slot] if stepping else jnp.zeros((width - 1, conv_dim), dtype)
+    if run.kind == FORWARD:
+        window, state = jnp.zeros((width - 1, conv_dim), dtype), None
+    elif run.kind == PREFILL:
+        window, state = cache["conv"][0], cache["ssm"][0]
+    else:
+        window, state = cache["conv"][run.slot], None
     conv, seq = causal_conv(window, mixed, p["conv"])
     q, k, v = jnp.split(conv.astype(dtype).astype(jnp.float32), [key_dim, 2 * key_dim], axis=-1)
     group = nv // nk
@@ -102,47 +111,59 @@ def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, start, length
     v = v.reshape(t, nv, dv)
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + p["dt_bias"])
     beta = jax.nn.sigmoid(b).astype(jnp.float32)
-    if stepping:
-        ssm, out = gdn_rows(cache["ssm"], slot, q, k, v, g, beta, rows)
-        windows = jnp.stack([conv_window(seq, i + 1, width) for i in range(rows)])
-        cache = dict(conv=cache["conv"].at[:rows].set(windows), ssm=ssm)
+    if run.kind == STEP:
+        ssm, out = gdn_rows(cache["ssm"], run.slot, q, k, v, g, beta, run.rows)
+        windows = jnp.stack([conv_window(seq, i + 1, width) for i in range(run.rows)])
+        cache = dict(conv=cache["conv"].at[: run.rows].set(windows), ssm=ssm)
     else:
-        if length is not None:
-            valid = (jnp.arange(t) < length)[:, None]
-            g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
-        out, state = chunk_gated_delta(q, k, v, g, beta)
-        if cache is not None:
-            end = t if length is None else length
-            cache = dict(conv=cache["conv"].at[0].set(conv_window(seq, end, width)), ssm=cache["ssm"].at[0].set(state))
+        if run.kind == PREFILL:
+            real = (jnp.arange(t) < run.n_valid)[:, None]
+            g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
+        out, state = chunk_gated_delta(q, k, v, g, beta, state=state)
+        if run.kind == PREFILL:
+            window = conv_window(seq, run.n_valid, width)
+            cache = dict(conv=cache["conv"].at[0].set(window), ssm=cache["ssm"].at[0].set(state))
     out = _gated_norm(out.astype(dtype), z.reshape(t, nv, dv), p["gdn_norm"], cfg.rms_norm_eps)
     return linear(out.reshape(t, value_dim), p["out"]), cache
 
 
-def linear_attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, cache, start, length, slot, rows):
+def linear_attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, cache, run: Run):
     """Gated DeltaNet decoder layer (+ MLP) on the residual stream x [T, H] -> (x, cache)."""
-    out, cache = gated_deltanet(p, cfg, _norm(x, p["input_norm"], cfg), cache, start, length, slot, rows)
+    out, cache = gated_deltanet(p, cfg, _norm(x, p["input_norm"], cfg), cache, run)
     return _mlp_block(p, cfg, x + out), cache
 
 
-def run(
-    params: dict, cfg: ModelConfig, tokens: jax.Array, cache=None, *, start=None, length=None, slot=None, rows=None
-):
-    """Embed tokens [T], run every layer, final norm -> (hidden [T, H], cache); the family contract of
-    jspec.models. A row-tile step (start given) needs slot (int32 [], the committed candidate) and rows (static)."""
-    if cache is not None and start is not None and (slot is None or rows is None):
-        raise ValueError("a hybrid row-tile step needs slot and rows")
-    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32) + (0 if start is None else start)
+def _layers(params: dict, cfg: ModelConfig, tokens: jax.Array, cache, run: Run):
+    """Embed tokens [T] at run.positions(T), every layer, final norm -> (hidden [T, H], cache)."""
+    positions = run.positions(tokens.shape[0])
     x = params["embed"][tokens]
     new_cache = []
     for i, (kind, p) in enumerate(zip(cfg.layer_types, params["layers"], strict=True)):
         layer_cache = None if cache is None else cache[i]
         if kind == FULL:
-            x, layer_cache = attention_layer(p, cfg, x, positions, layer_cache, start, rows)
+            x, layer_cache = attention_layer(p, cfg, x, positions, layer_cache, run)
         else:
-            x, layer_cache = linear_attention_layer(p, cfg, x, layer_cache, start, length, slot, rows)
+            x, layer_cache = linear_attention_layer(p, cfg, x, layer_cache, run)
         new_cache.append(layer_cache)
     x = _norm(x, params["final_norm"], cfg)
     return x, None if cache is None else tuple(new_cache)
+
+
+def forward(params: dict, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Full causal forward of tokens [T] from a zero recurrent state, no cache -> final-normed hidden [T, H]."""
+    return _layers(params, cfg, tokens, None, Run.forward())[0]
+
+
+def prefill_chunk(params: dict, cfg: ModelConfig, tokens: jax.Array, cache, start, n_valid):
+    """One prompt chunk tokens [C] at positions start..start+C-1, the first n_valid real -> (hidden [C, H], cache).
+    The recurrent layers carry their state from the previous chunk (slot 0) to the next."""
+    return _layers(params, cfg, tokens, cache, Run.prefill(start, n_valid))
+
+
+def step(params: dict, cfg: ModelConfig, tokens: jax.Array, cache, start, slot, rows: int):
+    """One row tile tokens [ROW_TILE] at positions start.., `rows` valid (static), advancing every recurrent layer
+    from candidate `slot` (int32 []) -> (hidden [ROW_TILE, H], cache with the post-state after row i in slot i)."""
+    return _layers(params, cfg, tokens, cache, Run.step(start, rows, slot))
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.05) -> dict:

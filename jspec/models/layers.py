@@ -1,6 +1,10 @@
-"""Building blocks shared by the model families: RMSNorm, rotary embedding, SwiGLU, logits."""
+"""Building blocks shared by the model families: how a pass meets the cache (`Run`), RMSNorm, rotary embedding,
+SwiGLU, logits."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +12,43 @@ import numpy as np
 
 from jspec.config import ModelConfig, RopeConfig
 from pallas_kernels import linear
+
+FORWARD, PREFILL, STEP = "forward", "prefill", "step"
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """How one pass of a model meets its cache (built inside a traced function; kind and rows are static).
+
+    forward: the full causal forward, no cache, positions 0..T-1.
+    prefill: a prompt chunk at positions start..start+T-1 whose first n_valid rows are real (the rest padding):
+      it writes its cache rows and attends the cache with the flash path; recurrent layers continue from the
+      committed state and leave theirs after row n_valid - 1.
+    step: a row tile (T = ROW_TILE) at start whose first `rows` rows are valid, through the row-exact kernels;
+      recurrent layers advance from candidate `slot` (docs/design.md, rules 1-3).
+    """
+
+    kind: str
+    start: Any = 0
+    n_valid: Any = None
+    slot: Any = None
+    rows: int | None = None
+
+    @classmethod
+    def forward(cls) -> Run:
+        return cls(FORWARD)
+
+    @classmethod
+    def prefill(cls, start, n_valid=None) -> Run:
+        return cls(PREFILL, start=start, n_valid=n_valid)
+
+    @classmethod
+    def step(cls, start, rows: int, slot=None) -> Run:
+        return cls(STEP, start=start, slot=slot, rows=rows)
+
+    def positions(self, t: int) -> jax.Array:
+        """int32 [t]: the absolute positions of the pass's t rows."""
+        return self.start + jnp.arange(t, dtype=jnp.int32)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, plus_one: bool = False) -> jax.Array:

@@ -6,10 +6,10 @@ API
       layer params (dense families: the same dict as params["layers"][j]), final_norm [H].
       The token embedding and the lm_head are the main model's (params["embed"], params["lm_head"]): shared.
   init_mtp_params(cfg, key, dtype, num_layers=1) -> that list (random; tests and the demo trainer).
-  mtp_layer(params, cfg, hidden [T, H], tokens [T], positions [T], cache, start, layer_index, rows=None)
-      -> (chain hidden [T, H], final-normed hidden [T, H], cache): the row-level building block (cache/start/rows as
-      in the family's `attention_layer`: cache None = full causal, start None = prefill, else a row-tile step whose
-      first `rows` rows attend).
+  mtp_layer(params, cfg, hidden [T, H], tokens [T], cache, run, layer_index)
+      -> (chain hidden [T, H], final-normed hidden [T, H], cache): the row-level building block; `run`
+      (`jspec.models.layers.Run`: the full forward, a prefill chunk or a row-tile step) as for the family's
+      `attention_layer`.
   mtp_forward(params, cfg, hidden [T, H], next_tokens [T], layer_index=0) -> float32 logits [T, V]: the full
       causal forward (no cache) of one MTP layer, differentiable. Row t takes `hidden` at position t and
       next_tokens[t] (the token at position t + 1) and predicts the token at position t + 2 (for layer i fed with
@@ -41,8 +41,8 @@ import jax.numpy as jnp
 
 from jspec.config import ModelConfig
 from jspec.models import family_module
+from jspec.models.layers import Run, rms_norm
 from jspec.models.layers import logits as logits_from_hidden
-from jspec.models.layers import rms_norm
 from pallas_kernels import linear
 
 MTP_LAYOUTS = ("qwen3_next", "deepseek")
@@ -52,10 +52,10 @@ def _norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
     return rms_norm(x, weight, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one)
 
 
-def mtp_layer(params: dict, cfg: ModelConfig, hidden, tokens, positions, cache, start, layer_index: int = 0, rows=None):
-    """MTP layer `layer_index` on rows (hidden [T, H] at `positions` int32 [T], tokens int32 [T] = the token one
-    position ahead of each row) -> (chain hidden [T, H], final-normed hidden [T, H], cache). rows (static, a row-tile
-    step only): the valid rows, the only ones that attend (as the family's `attention_layer`)."""
+def mtp_layer(params: dict, cfg: ModelConfig, hidden, tokens, cache, run: Run, layer_index: int = 0):
+    """MTP layer `layer_index` on rows (hidden [T, H] at run.positions(T), tokens int32 [T] = the token one
+    position ahead of each row) -> (chain hidden [T, H], final-normed hidden [T, H], cache). `run` (forward,
+    prefill chunk or row-tile step) as for the family's `attention_layer`."""
     if cfg.mtp_layout not in MTP_LAYOUTS:
         raise ValueError(f"cfg.mtp_layout must be one of {MTP_LAYOUTS} for an MTP head, got {cfg.mtp_layout!r}")
     heads = params.get("mtp") or []
@@ -64,15 +64,14 @@ def mtp_layer(params: dict, cfg: ModelConfig, hidden, tokens, positions, cache, 
     p = heads[layer_index]
     embedded = _norm(params["embed"][tokens].astype(hidden.dtype), p["embed_norm"], cfg)
     x = linear(jnp.concatenate([embedded, _norm(hidden, p["hidden_norm"], cfg)], axis=-1), p["fc"])
-    x, cache = family_module(cfg).attention_layer(p["layer"], cfg, x, positions, cache, start, rows)
+    x, cache = family_module(cfg).attention_layer(p["layer"], cfg, x, run.positions(x.shape[0]), cache, run)
     normed = _norm(x, p["final_norm"], cfg)
     return (x if cfg.mtp_layout == "deepseek" else normed), normed, cache
 
 
 def mtp_forward(params: dict, cfg: ModelConfig, hidden: jax.Array, next_tokens: jax.Array, layer_index: int = 0):
     """Full causal forward of MTP layer `layer_index`: hidden [T, H], next_tokens int32 [T] -> float32 [T, V]."""
-    positions = jnp.arange(hidden.shape[0], dtype=jnp.int32)
-    _, normed, _ = mtp_layer(params, cfg, hidden, next_tokens, positions, None, None, layer_index)
+    _, normed, _ = mtp_layer(params, cfg, hidden, next_tokens, None, Run.forward(), layer_index)
     return logits_from_hidden(params, cfg, normed)
 
 
