@@ -42,8 +42,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jspec.bench import torch_median  # noqa: E402
 from jspec.engine import compiler_options  # noqa: E402
+from jspec_bench.timing import torch_median  # noqa: E402
 from pallas_kernels import ROW_TILE, attention_kernel  # noqa: E402
 from pallas_kernels.attention import reference_attention  # noqa: E402
 

@@ -6,7 +6,12 @@ For every prompt and drafter: mean_accepted, acceptance per draft position, tok/
 exactness check (speculative tokens == greedy tokens) on every run; the script exits non-zero if any run differs.
 Also the measured cost of a decode step and a verify step (host loop), which notebooks/03_cost_model.ipynb reads.
 
+With --temperatures, the same sampled (jspec.Sampler, --seeds seeds per prompt): each drafter's tokens against
+plain sampling with the same seed, and MTP drafting coupled to the position-keyed noise (the default) against the
+head's argmax (MTPDrafter(coupled=False)).
+
     python benchmarks/demo_acceptance.py --out benchmarks/results/demo_acceptance_cpu.json [--commit SHA]
+    python benchmarks/demo_acceptance.py --temperatures 0.3,0.7,1.0 --out benchmarks/results/demo_sampling_cpu.json
 """
 
 from __future__ import annotations
@@ -123,7 +128,7 @@ def load_demo(ckpt_dir: str):
     return params, cfg, Tokenizer.from_file(os.path.join(ckpt_dir, "tokenizer.json"))
 
 
-def drafter_configs(lookup_k: int, mtp_k: int, with_mtp: bool) -> dict:
+def drafter_configs(lookup_k: int, mtp_k: int, with_mtp: bool, sampling: bool = False) -> dict:
     """name -> (k, drafter, gate)."""
     configs = {
         "prompt_lookup": (lookup_k, jspec.PromptLookup(), None),
@@ -131,6 +136,8 @@ def drafter_configs(lookup_k: int, mtp_k: int, with_mtp: bool) -> dict:
     }
     if with_mtp:
         configs["mtp"] = (mtp_k, jspec.MTPDrafter(), None)
+        if sampling:
+            configs["mtp_argmax"] = (mtp_k, jspec.MTPDrafter(coupled=False), None)
     return configs
 
 
@@ -140,15 +147,15 @@ def timed(engine: jspec.Engine, ids: list[int], max_new: int, **kwargs) -> jspec
     return engine.generate(ids, max_new, **kwargs)
 
 
-def run_prompt(engines: dict, configs: dict, ids: list[int], max_new: int, on_device: bool) -> list[dict]:
-    """Greedy, then every drafter config, on one prompt; each run compared token for token with greedy (the
-    on-device runs too)."""
+def run_prompt(engines: dict, configs: dict, ids: list[int], max_new: int, on_device: bool, sampler=None) -> list:
+    """Greedy (or plain sampling with `sampler`), then every drafter config, on one prompt; each run compared token
+    for token with it (the on-device runs too)."""
     base = engines[min(engines)]
-    greedy = timed(base, ids, max_new)
-    greedy_device = timed(base, ids, max_new, on_device=True) if on_device else None
+    greedy = timed(base, ids, max_new, sampler=sampler)
+    greedy_device = timed(base, ids, max_new, on_device=True, sampler=sampler) if on_device else None
     rows = []
     for name, (k, drafter, gate) in configs.items():
-        spec = timed(engines[k], ids, max_new, drafter=drafter, gate=gate)
+        spec = timed(engines[k], ids, max_new, drafter=drafter, gate=gate, sampler=sampler)
         s = spec.stats
         row = dict(
             drafter=name,
@@ -172,7 +179,7 @@ def run_prompt(engines: dict, configs: dict, ids: list[int], max_new: int, on_de
             greedy_decode_steps=greedy.stats.decode_steps,
         )
         if on_device:
-            device = timed(engines[k], ids, max_new, drafter=drafter, gate=gate, on_device=True)
+            device = timed(engines[k], ids, max_new, drafter=drafter, gate=gate, on_device=True, sampler=sampler)
             row["identical"] = row["identical"] and device.tokens == greedy.tokens == greedy_device.tokens
             row["on_device_tokens_per_s"] = device.stats.tokens_per_s
             row["on_device_greedy_tokens_per_s"] = greedy_device.stats.tokens_per_s
@@ -262,32 +269,39 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--on-device", choices=("auto", "yes", "no"), default="auto", help="also time generate_on_device")
     p.add_argument("--prompts", nargs="*", help="only these prompt names")
+    p.add_argument("--temperatures", help="comma list: sample at these temperatures instead of greedy decoding")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per prompt and temperature (with --temperatures)")
     args = p.parse_args(argv)
+    temperatures = [float(t) for t in args.temperatures.split(",")] if args.temperatures else [None]
 
     ckpt = args.checkpoint or checkpoints.demo_dir()
     params, cfg, tok = load_demo(ckpt)
     on_device = args.on_device == "yes" or (args.on_device == "auto" and jax.default_backend() == "gpu")
     with_mtp = cfg.num_mtp_layers > 0
-    configs = drafter_configs(args.k, args.mtp_k, with_mtp)
+    configs = drafter_configs(args.k, args.mtp_k, with_mtp, sampling=args.temperatures is not None)
     engines = {k: jspec.Engine(params, cfg, max_len=args.max_len, k=k) for k in {c[0] for c in configs.values()}}
     load_before = os.getloadavg()[0]
     runs = []
-    for cat, prompts in CATEGORIES.items():
-        for name, text in prompts.items():
-            if args.prompts and name not in args.prompts:
-                continue
-            ids = tok.encode(text).ids
-            t0 = time.perf_counter()
-            for row in run_prompt(engines, configs, ids, args.max_new_tokens, on_device):
-                runs.append(dict(category=cat, prompt=name, prompt_tokens=len(ids), **row))
-                print(
-                    f"{cat:5s} {name:18s} {row['drafter']:20s} k={row['k']} identical={row['identical']} "
-                    f"mean_accepted={row['mean_accepted']:.2f} per_pos="
-                    f"{rounded(row['per_position_acceptance'])} "
-                    f"tok/s={row['tokens_per_s']:.1f} (greedy {row['greedy_tokens_per_s']:.1f})",
-                    flush=True,
-                )
-            print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
+    for temperature in temperatures:
+        for cat, prompts in CATEGORIES.items():
+            for name, text in prompts.items():
+                if args.prompts and name not in args.prompts:
+                    continue
+                ids = tok.encode(text).ids
+                t0 = time.perf_counter()
+                for seed in range(args.seeds) if temperature else [None]:
+                    sampler = jspec.Sampler(temperature=temperature, seed=seed) if temperature else None
+                    for row in run_prompt(engines, configs, ids, args.max_new_tokens, on_device, sampler):
+                        runs.append(dict(category=cat, prompt=name, prompt_tokens=len(ids), temperature=temperature,
+                                         seed=seed, **row))  # fmt: skip
+                        print(
+                            f"T={temperature} seed={seed} {cat:5s} {name:18s} {row['drafter']:20s} k={row['k']} "
+                            f"identical={row['identical']} mean_accepted={row['mean_accepted']:.2f} per_pos="
+                            f"{rounded(row['per_position_acceptance'])} "
+                            f"tok/s={row['tokens_per_s']:.1f} (greedy {row['greedy_tokens_per_s']:.1f})",
+                            flush=True,
+                        )
+                print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
     if not runs:
         raise SystemExit(f"no prompt selected by --prompts {args.prompts}")
     device = jax.devices()[0]
@@ -307,20 +321,25 @@ def main(argv=None) -> int:
         max_len=args.max_len,
         all_identical=all(r["identical"] for r in runs),
         notes=NOTES,
-        summary=summarize(runs),
+        summary=summarize(runs) if temperatures == [None] else None,
+        sampling=None
+        if temperatures == [None]
+        else {str(t): summarize([r for r in runs if r["temperature"] == t]) for t in temperatures},
         step_cost=step_costs(runs),
         runs=runs,
     )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    for cat, by_drafter in result["summary"].items():
-        for name, s in by_drafter.items():
-            print(
-                f"{cat:5s} {name:20s} mean_accepted {s['mean_accepted']:.2f}  per position "
-                f"{rounded(s['per_position_acceptance'])}  speedup {s['speedup']:.2f}x  "
-                f"identical {s['identical']}"
-            )
+    summaries = {"greedy": result["summary"]} if result["summary"] else result["sampling"]
+    for label, summary in summaries.items():
+        for cat, by_drafter in summary.items():
+            for name, s in by_drafter.items():
+                print(
+                    f"{label:6s} {cat:5s} {name:20s} mean_accepted {s['mean_accepted']:.2f}  per position "
+                    f"{rounded(s['per_position_acceptance'])}  speedup {s['speedup']:.2f}x  "
+                    f"identical {s['identical']}"
+                )
     print(f"step cost: {result['step_cost']}")
     print(f"wrote {args.out}")
     if not result["all_identical"]:

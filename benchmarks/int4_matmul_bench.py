@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jspec.bench import kernel_times, profile, torch_median  # noqa: E402
+from jspec_bench.timing import kernel_times, profile, torch_median  # noqa: E402
 from pallas_kernels import int4_matmul, int4_ws  # noqa: E402
 from pallas_kernels.int4 import BLOCK, Int4Weight, dequantize  # noqa: E402
 

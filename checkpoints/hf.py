@@ -64,7 +64,8 @@ class Checkpoint:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> jax.Array:
-        """The tensor `name` in its stored dtype; raises CheckpointError if missing or not of `shape`."""
+        """The tensor `name` in its stored dtype; raises CheckpointError if missing, not of `shape`, or holding a
+        NaN or inf (which int4 quantization would otherwise hide: a block's scale absorbs it)."""
         if name not in self._file_of:
             raise CheckpointError(f"missing tensor {name!r} in {self.dir}")
         if shape is not None and self.shape(name) != tuple(shape):
@@ -74,6 +75,10 @@ class Checkpoint:
             tensor = self._handle(name).get_tensor(name)
         except Exception as e:  # safetensors raises its own error types for truncated / corrupt data
             raise CheckpointError(f"cannot read tensor {name!r} from {path}: {e}") from e
+        if jnp.issubdtype(tensor.dtype, jnp.floating):
+            bad = int(jnp.size(tensor) - jnp.count_nonzero(jnp.isfinite(tensor)))
+            if bad:
+                raise CheckpointError(f"tensor {name!r} in {path} holds {bad} non-finite value(s) (NaN or inf)")
         self._used.add(name)
         return tensor
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from checkpoints.hf import CheckpointError
 from jspec.config import ModelConfig
 from pallas_kernels.int4 import Int4Weight
 
@@ -50,7 +52,7 @@ def load(ckpt_dir: str | os.PathLike) -> tuple[dict, ModelConfig]:
     except (OSError, ValueError) as e:
         raise FileNotFoundError(f"cannot read {meta_path} (not a jspec checkpoint written by save?): {e}") from e
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ValueError(
+        raise CheckpointError(
             f"{meta_path}: format {meta.get('format')!r} v{meta.get('version')} is not {FORMAT} v{VERSION}"
         )
     import orbax.checkpoint as ocp
@@ -58,8 +60,36 @@ def load(ckpt_dir: str | os.PathLike) -> tuple[dict, ModelConfig]:
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = {}
     _collect_specs(meta["tree"], target, sharding)
-    arrays = ocp.StandardCheckpointer().restore(os.path.join(root, PARAMS_DIR), target)
+    params_dir = os.path.join(root, PARAMS_DIR)
+    checkpointer = ocp.StandardCheckpointer()
+    _check_stored(checkpointer, params_dir, target, meta_path)
+    try:
+        arrays = checkpointer.restore(params_dir, target)
+    except Exception as e:  # orbax / tensorstore: a data file missing or truncated, ...
+        found = re.findall(r"'path': '(params[^'/]*)/?'", str(e))
+        what = f"array {found[0]!r}" if found else "the arrays"
+        first = str(e).strip().splitlines()[0].split(". See full")[0][:200]
+        raise CheckpointError(
+            f"{params_dir}: cannot read {what}: its data file is missing or damaged (orbax: {first})"
+        ) from e
     return _decode(meta["tree"], arrays), ModelConfig.from_dict(meta["config"])
+
+
+def _check_stored(checkpointer, params_dir: str, target: dict, meta_path: str) -> None:
+    """Every array jspec.json lists is stored with its shape and dtype (orbax's own metadata), before any read."""
+    try:
+        stored = checkpointer.metadata(params_dir).item_metadata
+    except Exception as e:
+        raise CheckpointError(f"{params_dir}: cannot read the orbax metadata: {str(e).splitlines()[0][:200]}") from e
+    for name, spec in target.items():
+        if name not in stored:
+            raise CheckpointError(f"{meta_path} lists array {name!r}, which {params_dir} does not hold")
+        have = stored[name]
+        if tuple(have.shape) != spec.shape or jnp.dtype(have.dtype) != spec.dtype:
+            raise CheckpointError(
+                f"{meta_path} says array {name!r} is {spec.dtype.name} {list(spec.shape)}, but {params_dir} stores "
+                f"{jnp.dtype(have.dtype).name} {list(have.shape)}"
+            )
 
 
 def _encode(node, path: str, arrays: dict) -> object:

@@ -11,6 +11,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jspec import checks
+
 
 @dataclasses.dataclass(frozen=True)
 class TieGuard:
@@ -27,8 +29,8 @@ class TieGuard:
     tolerant: bool = False
 
     def __post_init__(self):
-        if self.eps < 0:
-            raise ValueError(f"TieGuard eps must be >= 0, got {self.eps}")
+        checks.real(self.eps, "TieGuard eps", lo=0.0)
+        checks.instance(self.tolerant, bool, "TieGuard tolerant", "True or False", optional=False)
         if self.tolerant and self.eps == 0:
             raise ValueError("TieGuard(tolerant=True) needs eps > 0")
 
@@ -43,12 +45,18 @@ def greedy_accept(draft: jax.Array, logits: jax.Array, n_valid=None):
     n_accepted = length of the longest prefix of the (first n_valid) draft tokens that equal the row argmax;
     next_token = argmax of row n_accepted (the bonus / correction token).
     """
+    return accept_chosen(draft, jnp.argmax(logits, axis=-1).astype(jnp.int32), n_valid)
+
+
+def accept_chosen(draft: jax.Array, chosen: jax.Array, n_valid=None):
+    """draft int32 [k], chosen int32 [k + 1] (the token each verify row chooses: argmax or the sampler's) ->
+    (n_accepted, next_token): the longest prefix of the (first n_valid) draft equal to chosen, and chosen at the
+    first mismatch (the bonus / correction token)."""
     k = draft.shape[0]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     valid = jnp.arange(k) < (k if n_valid is None else n_valid)
-    match = (draft.astype(jnp.int32) == greedy[:k]) & valid
+    match = (draft.astype(jnp.int32) == chosen[:k]) & valid
     n_accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32)))
-    return n_accepted, greedy[n_accepted]
+    return n_accepted, chosen[n_accepted]
 
 
 def near_tie(draft: jax.Array, logits: jax.Array, n_accepted, n_valid, eps: float) -> jax.Array:

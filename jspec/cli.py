@@ -1,4 +1,10 @@
-"""The `jspec` command line: generate, convert, inspect, bench."""
+"""The `jspec` command line: generate, convert, inspect, bench (also `python -m jspec ...`).
+
+A user error (a bad option, a missing or broken checkpoint, a request that does not fit) prints one line on stderr
+and exits with status 2, before anything slow runs where it can be known before; `--debug` shows the traceback
+instead. Exit status 1: --compare-greedy found the speculative tokens differ from those of the same run without a
+drafter (greedy, or the same sampler and seed).
+"""
 
 from __future__ import annotations
 
@@ -9,155 +15,246 @@ import sys
 import time
 from pathlib import Path
 
+from pallas_kernels import ROW_TILE
 
-def _default_checkpoint() -> str:
-    import checkpoints
-
-    return str(checkpoints.demo_dir())
-
-
-def load_model(path: str, dtype: str | None = None, quantize: str | None = None):
-    """(params, cfg) from a jspec (orbax) checkpoint dir or a HuggingFace safetensors dir."""
-    import checkpoints
-
-    p = Path(path)
-    if not p.is_dir():
-        raise SystemExit(f"jspec: checkpoint directory {path!r} does not exist")
-    if (p / "config.json").exists() and any(p.glob("*.safetensors")):
-        return checkpoints.load_hf(p, dtype=dtype or "bfloat16", quantize=quantize)
-    if quantize:
-        raise SystemExit("jspec: --quantize applies to HuggingFace checkpoints; this one is already converted")
-    return checkpoints.load(p)
+DRAFTERS = ("none", "prompt-lookup", "mtp")
+USER_ERRORS = (ValueError, TypeError, OSError, MemoryError, ImportError)
 
 
-def load_tokenizer(path: str):
-    from tokenizers import Tokenizer
-
-    file = Path(path) / "tokenizer.json"
-    if not file.exists():
-        raise SystemExit(f"jspec: no tokenizer.json in {path!r} (needed to turn text into tokens)")
-    return Tokenizer.from_file(str(file))
+class CliError(Exception):
+    """A user error found by the CLI itself (the message is the whole line)."""
 
 
-def _eos_ids(cfg, tokenizer) -> tuple[int, ...]:
-    if cfg.eos_token_ids:
-        return tuple(cfg.eos_token_ids)
-    for name in ("<|endoftext|>", "</s>", "<eos>"):
-        token = tokenizer.token_to_id(name)
-        if token is not None:
-            return (token,)
-    return ()
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line ("jspec generate: --k: ...") and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _drafter(name: str, k: int):
+def positive(lo: int = 1, hi: int | None = None):
+    """argparse type: an int in lo..hi."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            bound = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def read_prompt(args) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    path = Path(args.prompt_file)
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CliError(f"--prompt-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise CliError(f"--prompt-file {path}: {e.strerror or e}") from None
+
+
+SAMPLING_FLAGS = ("top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def _sampler(args):
+    """A jspec.Sampler from the sampling flags (None: --temperature 0, greedy)."""
     import jspec
 
-    if name == "none":
+    if not args.temperature:
+        given = [f"--{f.replace('_', '-')}" for f in SAMPLING_FLAGS if getattr(args, f) is not None]
+        if given:
+            verb = "needs" if len(given) == 1 else "need"
+            raise CliError(f"{', '.join(given)} {verb} --temperature > 0 (temperature 0 is greedy decoding)")
         return None
-    if name == "prompt-lookup":
-        return jspec.PromptLookup()
-    if name == "mtp":
-        return jspec.MTPDrafter()
-    raise SystemExit(f"jspec: unknown drafter {name!r}")
+    values = {f: getattr(args, f) for f in SAMPLING_FLAGS if getattr(args, f) is not None}
+    return jspec.Sampler(temperature=args.temperature, seed=args.seed, **values)
+
+
+def _drafter(name: str):
+    import jspec
+
+    return {"none": None, "prompt-lookup": jspec.PromptLookup(), "mtp": jspec.MTPDrafter()}[name]
+
+
+def _plan(args, path: str):
+    """Everything about a generate request that can be known before the weights load: (cfg, tokenizer, prompt
+    ids, max_len). Raises for a request that cannot run."""
+    from tokenizers import Tokenizer
+
+    from jspec.memory import check_fits, tree_bytes
+    from jspec.model import checkpoint_config
+    from jspec.state import init_state
+
+    cfg = checkpoint_config(path)
+    if args.drafter == "mtp" and not cfg.num_mtp_layers:
+        raise CliError(f"--drafter mtp needs a checkpoint with an MTP head; {path} has none")
+    file = Path(path) / "tokenizer.json"
+    if not file.exists():
+        raise CliError(f"no tokenizer.json in {path} (needed to turn text into tokens)")
+    tokenizer = Tokenizer.from_file(str(file))
+    prompt = tokenizer.encode(read_prompt(args)).ids
+    if not prompt:
+        raise CliError("the prompt encodes to zero tokens")
+    max_len = args.max_len or len(prompt) + args.max_new_tokens
+    if len(prompt) + args.max_new_tokens > max_len:
+        raise CliError(
+            f"prompt of {len(prompt)} tokens + --max-new-tokens {args.max_new_tokens} = "
+            f"{len(prompt) + args.max_new_tokens} exceeds --max-len {max_len}"
+        )
+    import jax
+
+    dtype = args.dtype or "float32"  # the cache in float32 is the larger of the two: a bound for either
+    state = jax.eval_shape(lambda: init_state(cfg, max_len, dtype))
+    check_fits({"KV cache and token history": tree_bytes(state)}, f"--max-len {max_len}", "lower --max-new-tokens")
+    return cfg, tokenizer, prompt, max_len
 
 
 def cmd_generate(args) -> int:
     import jspec
+    from jspec.model import checkpoint_kind, resolve_checkpoint
 
-    path = args.checkpoint or _default_checkpoint()
-    if args.prompt is None and args.prompt_file is None:
-        raise SystemExit("jspec generate: give --prompt TEXT or --prompt-file FILE")
-    text = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
-    params, cfg = load_model(path, args.dtype, args.quantize)
-    tokenizer = load_tokenizer(path)
-    prompt = tokenizer.encode(text).ids
-    if not prompt:
-        raise SystemExit("jspec generate: the prompt encodes to zero tokens")
-    if args.drafter == "mtp" and not cfg.num_mtp_layers:
-        raise SystemExit(f"jspec generate: --drafter mtp needs a checkpoint with an MTP head; {path} has none")
-    max_len = args.max_len or len(prompt) + args.max_new_tokens
-    engine = jspec.Engine(params, cfg, max_len=max_len, k=args.k)
-    gate = jspec.HitDensityGate() if args.gate else None
-    eos = None if args.ignore_eos else _eos_ids(cfg, tokenizer)
-    run = dict(max_new_tokens=args.max_new_tokens, eos_id=eos or None, on_device=args.on_device)
-    progress = not args.json and not args.on_device and args.max_new_tokens >= 64
+    path = resolve_checkpoint(args.checkpoint)
+    hf = checkpoint_kind(path) == "hf"
+    if not hf and (args.quantize or args.dtype):
+        raise CliError("--dtype and --quantize apply to HuggingFace checkpoints; this one is already converted")
+    sampler = _sampler(args)
+    _, _, prompt, max_len = _plan(args, path)
+    model = jspec.load(path, dtype=args.dtype, quantize=args.quantize) if hf else jspec.load(path)
+    engine = model.engine(max_len, args.k)
+    if len(prompt) > 4 * engine.prefill_chunk and not args.json:
+        print(f"prefilling {len(prompt)} prompt tokens...", file=sys.stderr, flush=True)
+    run = dict(
+        max_new_tokens=args.max_new_tokens,
+        gate=jspec.HitDensityGate() if args.gate else None,
+        eos_id=() if args.ignore_eos else model.eos_ids,
+        on_device=args.on_device,
+        sampler=sampler,
+    )
+    drafter = _drafter(args.drafter)
+    text = read_prompt(args)
+    out = {"checkpoint": path, "prompt_tokens": len(prompt), "drafter": args.drafter, "k": args.k}
+    if args.compare_greedy:  # time warmed runs: compile and run each once first
+        t0 = time.perf_counter()
+        engine.generate(prompt, drafter=drafter, **run)
+        engine.generate(prompt, **dict(run, gate=None))
+        out["warmup_s_with_compile"] = time.perf_counter() - t0
+    streaming = not args.json and not args.on_device
+    if streaming:
+        print(text, end="", flush=True)
     t0 = time.perf_counter()
-    result = engine.generate(prompt, drafter=_drafter(args.drafter, args.k), gate=gate, progress=progress, **run)
+    pieces = model.stream(prompt, drafter=drafter, k=args.k, max_len=max_len, **run)
+    while True:
+        try:
+            piece = next(pieces)
+        except StopIteration as done:
+            result = done.value
+            break
+        if streaming:
+            print(piece, end="", flush=True)
     first_call_s = time.perf_counter() - t0
-    out = {
-        "checkpoint": path,
-        "prompt_tokens": len(prompt),
-        "text": tokenizer.decode(result.tokens),
-        "tokens": result.tokens,
-        "drafter": args.drafter,
-        "k": args.k,
-        "stats": result.stats.to_dict(),
-        "first_call_s_with_compile": first_call_s,
-    }
-    if args.compare_greedy:
-        greedy = engine.generate(prompt, progress=progress, **run)
+    out.update(text=result.text, tokens=result.tokens, stats=result.stats.to_dict())
+    if not args.compare_greedy:
+        out["first_call_s_with_compile"] = first_call_s
+    else:
+        greedy = engine.generate(prompt, **dict(run, gate=None))
         out["greedy_identical"] = greedy.tokens == result.tokens
         out["greedy_stats"] = greedy.stats.to_dict()
         out["speedup_vs_greedy"] = result.stats.tokens_per_s / max(greedy.stats.tokens_per_s, 1e-9)
     if args.json:
         print(json.dumps(out, indent=2))
-    else:
-        print(text + out["text"])
-        print("-" * 72)
-        print(f"{path}  drafter={args.drafter} k={args.k}  compile+first run {first_call_s:.2f} s")
-        print(result.stats.summary())
-        if args.compare_greedy:
-            same = "yes" if out["greedy_identical"] else "NO"
-            print(
-                f"identical to greedy: {same}   greedy {out['greedy_stats']['tokens_per_s']:.1f} tok/s, "
-                f"speedup {out['speedup_vs_greedy']:.2f}x"
-            )
+        return 0 if out.get("greedy_identical", True) else 1
+    if not streaming:
+        print(text + result.text, end="")
+    print("\n" + "-" * 72)
+    timing = (
+        f"warm-up (compile + one run of each) {out['warmup_s_with_compile']:.2f} s"
+        if args.compare_greedy
+        else f"compile+first run {first_call_s:.2f} s"
+    )
+    print(f"{path}  drafter={args.drafter} k={args.k}  {timing}")
+    print(result.stats.summary())
+    if args.compare_greedy:
+        same = "yes" if out["greedy_identical"] else "NO"
+        print(
+            f"identical to {'plain sampling' if run['sampler'] else 'greedy'}: {same}   without the drafter "
+            f"{out['greedy_stats']['tokens_per_s']:.1f} tok/s, "
+            f"speedup {out['speedup_vs_greedy']:.2f}x (warmed runs)"
+        )
     return 0 if out.get("greedy_identical", True) else 1
 
 
 def cmd_convert(args) -> int:
-    import checkpoints
+    import jspec
+    from jspec.model import checkpoint_kind
 
-    params, cfg = checkpoints.load_hf(args.hf_dir, dtype=args.dtype, quantize=args.quantize)
-    checkpoints.save(args.out_dir, params, cfg)
+    out = Path(args.out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CliError(f"{out} exists and is not an empty directory; convert writes a new one")
+    if checkpoint_kind(args.hf_dir) != "hf":
+        raise CliError(f"{args.hf_dir} is already a jspec checkpoint (jspec.json inside): nothing to convert")
+    params, cfg = jspec.load_hf(args.hf_dir, dtype=args.dtype, quantize=args.quantize)
+    jspec.save(out, params, cfg)
     tokenizer = Path(args.hf_dir) / "tokenizer.json"
     if tokenizer.exists():
-        Path(args.out_dir, "tokenizer.json").write_bytes(tokenizer.read_bytes())
-    print(f"converted {args.hf_dir} -> {args.out_dir} ({cfg.family}, {args.dtype}, quantize={args.quantize})")
+        (out / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+    print(f"converted {args.hf_dir} -> {out} ({cfg.family}, {args.dtype}, quantize={args.quantize})")
     return 0
 
 
 def cmd_inspect(args) -> int:
     import jax
 
+    import jspec
+    from jspec.model import resolve_checkpoint
     from pallas_kernels import Int4Weight
 
-    path = args.checkpoint or _default_checkpoint()
-    params, cfg = load_model(path)
-    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Int4Weight))
+    path = resolve_checkpoint(args.checkpoint)
+    model = jspec.load(path)
+    leaves = jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, Int4Weight))
     n_int4 = sum(int(w.shape[0]) * int(w.shape[1]) for w in leaves if isinstance(w, Int4Weight))
     n_dense = sum(int(x.size) for x in leaves if not isinstance(x, Int4Weight))
-    info = {"checkpoint": path, "config": cfg.to_dict(), "int4_params": n_int4, "dense_params": n_dense}
+    info = {"checkpoint": path, "config": model.cfg.to_dict(), "int4_params": n_int4, "dense_params": n_dense}
     info["bytes"] = int(sum(w.nbytes for w in leaves))
     print(json.dumps(info, indent=2))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jspec", description="byte-exact speculative decoding of int4 LLMs")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="jspec", description="byte-exact speculative decoding of int4 LLMs")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     g = sub.add_parser("generate", help="generate text (default: the bundled demo model)")
-    g.add_argument("--checkpoint", help="jspec checkpoint or HuggingFace dir (default: bundled demo model)")
-    g.add_argument("--prompt")
-    g.add_argument("--prompt-file")
-    g.add_argument("--drafter", choices=["none", "prompt-lookup", "mtp"], default="prompt-lookup")
-    g.add_argument("--k", type=int, default=4, help="draft tokens per verify step (1..15)")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--max-len", type=int, help="cache length (default: prompt + max-new-tokens)")
+    g.add_argument("--checkpoint", help="jspec checkpoint or HuggingFace dir, or 'demo' (default: bundled demo)")
+    text = g.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt")
+    text.add_argument("--prompt-file")
+    g.add_argument("--drafter", choices=DRAFTERS, default="prompt-lookup")
+    g.add_argument("--k", type=positive(1, ROW_TILE - 1), default=4, help=f"draft tokens per verify step "
+                   f"(1..{ROW_TILE - 1})")  # fmt: skip
+    g.add_argument("--max-new-tokens", type=positive(), default=128)
+    g.add_argument("--max-len", type=positive(2), help="cache length (default: prompt + max-new-tokens)")
     g.add_argument("--gate", action=argparse.BooleanOptionalAction, default=True, help="hit-density gate")
     g.add_argument("--on-device", action="store_true", help="run the whole loop on device")
-    g.add_argument("--compare-greedy", action="store_true", help="also run plain greedy; report identity, speedup")
+    g.add_argument(
+        "--compare-greedy",
+        action="store_true",
+        help="also run without the drafter (greedy, or the same sampler and seed); report identity and speedup",
+    )
+    s = g.add_argument_group("sampling (default: greedy)")
+    s.add_argument("--temperature", type=float, default=0.0, help="> 0: sample (same seed, same tokens)")
+    s.add_argument("--top-k", type=int)
+    s.add_argument("--top-p", type=float)
+    s.add_argument("--min-p", type=float)
+    s.add_argument("--repetition-penalty", type=float)
+    s.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], help="for HuggingFace checkpoints")
     g.add_argument("--quantize", choices=["int4"], help="quantize a HuggingFace checkpoint on load")
@@ -172,10 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_convert)
 
     i = sub.add_parser("inspect", help="print a checkpoint's config and sizes")
-    i.add_argument("--checkpoint")
+    i.add_argument("--checkpoint", help="checkpoint dir or 'demo' (default: bundled demo)")
     i.set_defaults(func=cmd_inspect)
 
-    # Listed for --help only: `main` hands `jspec bench ...` to jspec.bench.main verbatim.
+    # Listed for --help only: `main` hands `jspec bench ...` to jspec_bench.main verbatim.
     sub.add_parser("bench", help="step costs and speedups (see `jspec bench --help`)", add_help=False)
     return parser
 
@@ -184,11 +281,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if argv[:1] == ["bench"]:  # argparse's REMAINDER does not take options: hand them to the bench verbatim
-        from jspec import bench
+        import jspec_bench
 
-        return bench.main(argv[1:])
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+        return jspec_bench.main(argv[1:])
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error, printed already (2)
+        return e.code
+    try:
+        return args.func(args)
+    except (CliError, *USER_ERRORS) as e:
+        if args.debug:
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"jspec {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

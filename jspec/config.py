@@ -143,6 +143,10 @@ class ModelConfig:
                 f"unknown model_type {model_type!r}; supported: {', '.join(sorted(_MODEL_TYPES))}"
             )
         _refuse_moe(config, family)
+        required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
+        missing = [key for key in required if key not in config]
+        if missing:
+            raise ValueError(f"HuggingFace config ({model_type}) lacks {', '.join(missing)}")
         num_heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
         eos = config.get("eos_token_id")

@@ -5,7 +5,7 @@ time once, whatever the prompt: start (a fresh state holding the prompt, padded 
 N chunks of `prefill_chunk` positions per call), the first round, decode rounds (decode_step, M=1) and verify
 rounds (verify_step, M=k+1). The loop state is donated, so the KV cache is updated in place.
 On-device loop (`on_device=True`): prefill and the whole loop in one executable
-(`jspec.generate.generate_on_device`), with the same rounds and therefore the same tokens.
+(`jspec.loop.generate_on_device`), with the same rounds and therefore the same tokens.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import checks
 from jspec.accept import TieGuard
 from jspec.config import ModelConfig
 from jspec.gate import HitDensityGate
-from jspec.generate import (
+from jspec.loop import (
     MAX_EOS_IDS,
     LoopSettings,
     eos_array,
@@ -32,10 +33,12 @@ from jspec.generate import (
     run_rounds,
     start_loop,
 )
+from jspec.memory import check_fits, tree_bytes
+from jspec.sampling import Sampler
 from jspec.stats import STOP_REASONS, SpecStats
 from jspec.steps import PREFILL_CHUNK
-from pallas_kernels import get_backend, prepare_reference, prepare_ws
-from pallas_kernels.matmul import prepared_nbytes, reference_prep_fits, ws_prep_nbytes
+from pallas_kernels import ROW_TILE, get_backend
+from pallas_kernels.prepare import prepare_params, prepared_nbytes, resolve_prepare, ws_prep_nbytes
 
 ROUNDS_PER_CALL = 16  # the host loop's rounds per device call (Engine.generate's rounds_per_call)
 # XLA options for the executables on a GPU: launch every run of ops, however short, and the on-device loop's
@@ -60,20 +63,33 @@ class GenerationResult:
     stats: SpecStats
 
 
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A checked request: prompt int32 [P], max_new_tokens, EOS ids int32 [MAX_EOS_IDS] (-1 padded)."""
+
+    prompt: np.ndarray
+    max_new: int
+    eos: np.ndarray
+
+
 class Engine:
     """Compiles and runs generation for one model (params, cfg) with caches of max_len positions.
 
     k: the draft length verified per verify step (1 <= k <= ROW_TILE - 1).
+    dtype: activations and cache, "float32" or "bfloat16" (None: the embedding's dtype).
     prepare: prepare the int4 weights once for the kernel backend. "reference" (CPU): dequantize them
       (`pallas_kernels.prepare_reference`: same bits, more memory) instead of in every step; "pallas" (GPU) with
       bfloat16 activations: hand every symmetric one whose N fits to the warp-specialized Mosaic GPU kernel
       (`pallas_kernels.prepare_ws`: a re-ordered copy, K padded to 256, faster than the Triton kernel). None:
-      `prepares_by_default` (both of those), unless the copy would not fit (`prep_shortfall`: over a quarter of
+      both of those unless the copy would not fit (`pallas_kernels.prepare.resolve_prepare`: over a quarter of
       physical memory for the reference halves, more than the device's free memory for the codes): then a warning
       says so and the weights stay as they are. `self.prepared` records the choice.
     prefill_chunk: prompt positions per prefill chunk, one static shape for every prompt (None:
       `default_prefill_chunk(max_len)`). A prompt of T tokens runs ceil(T / prefill_chunk) chunks; only the last
       is padded. Prefill memory is the chunk's activations plus the cache, whatever T.
+
+    Construction checks every argument and what a generation will allocate (`jspec.memory`: the loop state and a
+    prefill chunk's activations against the free memory), before allocating or compiling anything.
     """
 
     def __init__(
@@ -86,13 +102,18 @@ class Engine:
         prepare: bool | None = None,
         prefill_chunk: int | None = None,
     ):
-        if max_len < 2:
-            raise ValueError(f"max_len must be >= 2, got {max_len}")
+        checks.instance(cfg, ModelConfig, "cfg", "a jspec.ModelConfig", optional=False)
+        if not isinstance(params, dict) or "embed" not in params:
+            raise TypeError(f"params must be the dict of a model's weights (with 'embed'), got {type(params).__name__}")
         self.cfg = cfg
-        self.max_len = int(max_len)
-        self.k = int(k)
-        self.prefill_chunk = default_prefill_chunk(self.max_len) if prefill_chunk is None else int(prefill_chunk)
-        LoopSettings(max_len=self.max_len, k=self.k, prefill_chunk=self.prefill_chunk)  # validates k and the chunk
+        self.max_len = checks.integer(max_len, "max_len", lo=2)
+        self.k = checks.integer(k, "k", lo=1, hi=ROW_TILE - 1)
+        chunk = default_prefill_chunk(self.max_len) if prefill_chunk is None else prefill_chunk
+        self.prefill_chunk = checks.integer(chunk, "prefill_chunk", lo=1)
+        checks.instance(prepare, bool, "prepare", "True, False or None")
+        self.dtype = jnp.dtype(dtype or params["embed"].dtype).name
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype}")
         if self.max_len > cfg.max_position_embeddings:
             warnings.warn(
                 f"max_len {self.max_len} exceeds the model's max_position_embeddings {cfg.max_position_embeddings}: "
@@ -100,15 +121,42 @@ class Engine:
                 "embedding run at any position)",
                 stacklevel=2,
             )
-        self.dtype = jnp.dtype(dtype or params["embed"].dtype).name
         backend = get_backend()
         self.prepared = resolve_prepare(prepare, params, self.dtype, backend)
+        prep = ws_prep_nbytes(params) if backend == "pallas" else prepared_nbytes(params, self.dtype)
+        self._check_memory(params, self.settings(), prepared_weights=prep if self.prepared else 0)
         self.params = prepare_params(params, self.dtype, backend) if self.prepared else params
         self._executables: dict[tuple, jax.stages.Compiled] = {}
+        self._memory_checked: set[LoopSettings] = set()
         self.num_compiles = 0
 
     # ----------------------------------------------------------------------------------------------- compile
-    def settings(self, drafter=None, gate: HitDensityGate | None = None, tie_guard: TieGuard | None = None):
+    def settings(
+        self,
+        drafter=None,
+        gate: HitDensityGate | None = None,
+        tie_guard: TieGuard | None = None,
+        sampler: Sampler | None = None,
+    ) -> LoopSettings:
+        """The LoopSettings of a request (drafter, gate, tie_guard and sampler checked; a sampler contributes only
+        its static part, `Sampler.mode`)."""
+        methods = ("init", "prefill", "propose")
+        if drafter is not None and (
+            isinstance(drafter, type) or not all(callable(getattr(drafter, m, None)) for m in methods)
+        ):
+            raise TypeError(
+                "drafter must be a Drafter (jspec.PromptLookup(), jspec.MTPDrafter() or an object with init, prefill "
+                f"and propose), got {type(drafter).__name__} {drafter!r}"
+            )
+        try:
+            hash(drafter)
+        except TypeError:
+            raise TypeError(
+                f"drafter {drafter!r} must be hashable (a frozen dataclass): it keys the executables"
+            ) from None
+        checks.instance(gate, HitDensityGate, "gate", "a jspec.HitDensityGate or None")
+        checks.instance(tie_guard, TieGuard, "tie_guard", "a jspec.TieGuard or None")
+        checks.instance(sampler, Sampler, "sampler", "a jspec.Sampler or None")
         return LoopSettings(
             max_len=self.max_len,
             k=self.k,
@@ -117,6 +165,26 @@ class Engine:
             gate=gate,
             tie_guard=tie_guard or TieGuard(),
             prefill_chunk=self.prefill_chunk,
+            sampling=None if sampler is None else sampler.mode,
+        )
+
+    def _check_memory(self, params, settings: LoopSettings, prepared_weights: int = 0) -> None:
+        """Raise MemoryBudgetError if a generation with these settings would not fit (`jspec.memory`)."""
+        shapes = jax.eval_shape(
+            lambda p, *request: start_loop(p, self.cfg, settings, *request), params, *self._request_args(settings)
+        )
+        per_position = tree_bytes(shapes) / self.max_len
+        parts = {
+            "loop state (KV cache, token history, drafter)": tree_bytes(shapes),
+            f"a {self.prefill_chunk}-position prefill chunk": prefill_chunk_bytes(
+                self.cfg, self.prefill_chunk, self.dtype
+            ),
+            "prepared int4 weights": prepared_weights,
+        }
+        check_fits(
+            parts,
+            f"Engine(max_len={self.max_len}, {self.dtype})",
+            f"lower max_len (about {per_position / 1024:.1f} KiB a position) or the prefill chunk",
         )
 
     def _compile(self, key: tuple, fn, *args, donate: tuple[int, ...] = ()):
@@ -126,17 +194,21 @@ class Engine:
             self.num_compiles += 1
         return self._executables[key]
 
-    def _request_args(self):
-        """Shapes of a request: the prompt padded to max_len, its length, max_new_tokens, the EOS ids."""
+    def _request_args(self, settings: LoopSettings):
+        """Shapes of a request: the prompt padded to max_len, its length, max_new_tokens, the EOS ids (and, when
+        sampling, the sampler's values)."""
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
         prompt = jax.ShapeDtypeStruct((self.max_len,), jnp.int32)
-        return prompt, scalar, scalar, jax.ShapeDtypeStruct((MAX_EOS_IDS,), jnp.int32)
+        args = (prompt, scalar, scalar, jax.ShapeDtypeStruct((MAX_EOS_IDS,), jnp.int32))
+        if settings.sampling is None:
+            return args
+        return (*args, jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), Sampler().values()))
 
     def _start_exec(self, settings: LoopSettings):
-        def run(params, prompt, length, max_new, eos_ids):
-            return start_loop(params, self.cfg, settings, prompt, length, max_new, eos_ids)
+        def run(params, prompt, length, max_new, eos_ids, sampler=None):
+            return start_loop(params, self.cfg, settings, prompt, length, max_new, eos_ids, sampler)
 
-        return self._compile(("start", settings), run, self.params, *self._request_args())
+        return self._compile(("start", settings), run, self.params, *self._request_args(settings))
 
     def _loop_exec(self, kind: str, settings: LoopSettings, loop_shape):
         """The executable of one loop stage: up to N prefill chunks, the first round, or up to N rounds of one kind
@@ -159,40 +231,37 @@ class Engine:
         return self._compile((kind, settings), run, self.params, loop_shape, counted, donate=(1,))
 
     def _device_exec(self, settings: LoopSettings):
-        def run(params, prompt, length, max_new, eos_ids):
-            return generate_on_device(params, self.cfg, prompt, length, max_new, settings, eos_ids)
+        def run(params, prompt, length, max_new, eos_ids, sampler=None):
+            return generate_on_device(params, self.cfg, prompt, length, max_new, settings, eos_ids, sampler)
 
-        return self._compile(("device", settings), run, self.params, *self._request_args())
+        return self._compile(("device", settings), run, self.params, *self._request_args(settings))
 
     # ------------------------------------------------------------------------------------------------ generate
-    def check_request(self, prompt_ids: Sequence[int], max_new_tokens: int | None) -> tuple[np.ndarray, int]:
-        """Validate a request before any compute; returns (prompt int32 array, max_new_tokens)."""
-        prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
-        if prompt.size == 0:
-            raise ValueError("empty prompt: at least one token is needed")
-        bad = prompt[(prompt < 0) | (prompt >= self.cfg.vocab_size)]
-        if bad.size:
-            raise ValueError(f"token id {int(bad[0])} out of range for vocab_size {self.cfg.vocab_size}")
+    def request(self, prompt_ids, max_new_tokens: int | None = None, eos_id=None) -> Request:
+        """Check a request before any compute (see `generate` for the arguments) -> Request."""
+        prompt = checks.token_ids(prompt_ids, "prompt_ids", self.cfg.vocab_size)
         room = self.max_len - prompt.size
         if room < 1:
             raise ValueError(f"prompt of {prompt.size} tokens leaves no room in the cache: max_len is {self.max_len}")
         if max_new_tokens is None:  # until the cache is full: the last token is produced but never fed back
-            return prompt.astype(np.int32), room + 1
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if max_new_tokens > room:
-            raise ValueError(
-                f"prompt of {prompt.size} tokens + max_new_tokens {max_new_tokens} = "
-                f"{prompt.size + max_new_tokens} exceeds the cache: max_len is {self.max_len}"
-            )
-        return prompt.astype(np.int32), int(max_new_tokens)
+            max_new = room + 1
+        else:
+            max_new = checks.integer(max_new_tokens, "max_new_tokens", lo=1)
+            if max_new > room:
+                raise ValueError(
+                    f"prompt of {prompt.size} tokens + max_new_tokens {max_new} = {prompt.size + max_new} exceeds "
+                    f"the cache: max_len is {self.max_len}"
+                )
+        return Request(prompt, max_new, eos_array(eos_id, self.cfg))
 
     def generate(
         self,
         prompt_ids: Sequence[int],
         max_new_tokens: int | None = None,
+        *,
         drafter=None,
         gate: HitDensityGate | None = None,
+        sampler: Sampler | None = None,
         eos_id: int | Sequence[int] | None = None,
         tie_guard: TieGuard | None = None,
         on_device: bool = False,
@@ -201,34 +270,79 @@ class Engine:
     ) -> GenerationResult:
         """Generate greedily (drafter=None) or speculatively; the tokens are the same either way.
 
-        max_new_tokens None: until the cache is full (max_len - len(prompt) + 1 tokens).
-        eos_id: stop after this token (or any of these tokens).
+        prompt_ids: one 1-D sequence of token ids. max_new_tokens None: until the cache is full
+        (max_len - len(prompt) + 1 tokens).
+        sampler: None (greedy) or a `jspec.Sampler`: sampled tokens, the same for a seed with any drafter.
+        eos_id: stop after this token or any of these tokens; None: the model's own (`cfg.eos_token_ids`); ():
+          never stop at a token.
         on_device: run prefill and the whole loop as one executable instead of the host loop.
-        progress: show a progress bar (host loop).
+        progress: show progress bars (prefill chunks, new tokens; host loop).
         rounds_per_call: the most rounds the host loop runs in one device call. A call runs rounds of one kind
           (decode or verify) and returns early when the loop asks for the other kind or stops; every call costs
           a launch and a sync (progress, stop check), so longer calls are faster. 1: one round per call.
         """
-        if rounds_per_call < 1:
-            raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
-        prompt, max_new = self.check_request(prompt_ids, max_new_tokens)
-        eos = eos_array(eos_id)
-        settings = self.settings(drafter, gate, tie_guard)
+        run = self._run(
+            prompt_ids, max_new_tokens, dict(drafter=drafter, gate=gate, sampler=sampler, tie_guard=tie_guard),
+            eos_id, on_device, progress, rounds_per_call, emit=False,
+        )  # fmt: skip
+        while True:
+            try:
+                next(run)
+            except StopIteration as done:
+                return done.value
+
+    def stream(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None, **options):
+        """`generate` (same options) as a generator: yields each device call's newly committed tokens (list[int])
+        as they come (the on-device loop: all of them at the end) and returns the GenerationResult
+        (StopIteration.value)."""
+        known = ("drafter", "gate", "sampler", "tie_guard", "eos_id", "on_device", "progress", "rounds_per_call")
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TypeError(f"stream() got unknown options {unknown}; it takes {', '.join(known)}")
+        setting = {key: options.get(key) for key in ("drafter", "gate", "sampler", "tie_guard")}
+        return (
+            yield from self._run(
+                prompt_ids,
+                max_new_tokens,
+                setting,
+                options.get("eos_id"),
+                options.get("on_device", False),
+                options.get("progress", False),
+                options.get("rounds_per_call", ROUNDS_PER_CALL),
+                emit=True,
+            )
+        )
+
+    def _run(self, prompt_ids, max_new_tokens, setting: dict, eos_id, on_device, progress, rounds_per_call, *, emit):
+        rounds_per_call = checks.integer(rounds_per_call, "rounds_per_call", lo=1)
+        checks.instance(on_device, bool, "on_device", "True or False", optional=False)
+        checks.instance(progress, bool, "progress", "True or False", optional=False)
+        request = self.request(prompt_ids, max_new_tokens, eos_id)
+        settings = self.settings(**setting)
+        if settings not in self._memory_checked:
+            self._check_memory(self.params, settings)
+            self._memory_checked.add(settings)
         padded = np.zeros((self.max_len,), np.int32)
-        padded[: prompt.size] = prompt
-        args = (self.params, padded, np.int32(prompt.size), np.int32(max_new), eos)
-        stats = SpecStats(prompt_tokens=int(prompt.size), exact=settings.tie_guard.exact)
+        padded[: request.prompt.size] = request.prompt
+        sampler = setting["sampler"]
+        values = () if settings.sampling is None else (sampler.values(),)
+        args = (self.params, padded, np.int32(request.prompt.size), np.int32(request.max_new), request.eos, *values)
+        stats = SpecStats(prompt_tokens=int(request.prompt.size), exact=settings.tie_guard.exact)
+        stats.sampler = None if sampler is None else dataclasses.asdict(sampler)
         if on_device:
+            stats.loop = "device"
             run = self._device_exec(settings)
             start = time.perf_counter()
-            out = jax.device_get(run(*args))
+            out = jax.device_get(run(*args)).raise_if_error()
             stats.wall_time_s = time.perf_counter() - start
-            tokens = out.tokens[: int(out.num_tokens)]
+            tokens = [int(t) for t in out.tokens[: int(out.num_tokens)]]
             self._fill_stats(stats, out.counters, int(out.stop_reason), len(tokens), settings)
-            return GenerationResult([int(t) for t in tokens], stats)
-        return self._host_loop(settings, args, stats, progress, rounds_per_call)
+            if emit:
+                yield tokens
+            return GenerationResult(tokens, stats)
+        return (yield from self._host_loop(settings, args, stats, progress, rounds_per_call, emit))
 
-    def _host_loop(self, settings, args, stats: SpecStats, progress: bool, rounds_per_call: int) -> GenerationResult:
+    def _host_loop(self, settings, args, stats: SpecStats, progress: bool, rounds_per_call: int, emit: bool):
         start_exec = self._start_exec(settings)
         loop_shape = start_exec.out_info
         prefill_exec = self._loop_exec("prefill", settings, loop_shape)
@@ -251,8 +365,15 @@ class Engine:
         bar = _progress_bar(int(args[3]), "generating", "tok") if progress else None
         use_verify, stop, n_out = jax.device_get((loop.use_verify, loop.stop, loop.n_out))
         stats.prefill_time_s = time.perf_counter() - start
+        emitted = 0
         rounds = np.int32(rounds_per_call)
-        while stop == 0:
+        while True:
+            if emit and n_out > emitted:  # the calls' new tokens, in order (the last call's after the loop stopped)
+                history = np.asarray(jax.device_get(loop.state.tokens))  # whole: a slice would compile per length
+                yield [int(t) for t in history[prompt_len + emitted : prompt_len + n_out]]
+                emitted = int(n_out)
+            if stop != 0:
+                break
             t0 = time.perf_counter()
             kind_verify = bool(use_verify)
             loop = (verify_exec if kind_verify else decode_exec)(self.params, loop, rounds)
@@ -268,9 +389,9 @@ class Engine:
             bar.close()
         stats.wall_time_s = time.perf_counter() - start
         tokens_all, counters = jax.device_get((loop.state.tokens, loop.counters))
-        tokens = tokens_all[prompt_len : prompt_len + int(n_out)]
+        tokens = [int(t) for t in tokens_all[prompt_len : prompt_len + int(n_out)]]
         self._fill_stats(stats, counters, int(stop), len(tokens), settings)
-        return GenerationResult([int(t) for t in tokens], stats)
+        return GenerationResult(tokens, stats)
 
     @staticmethod
     def _fill_stats(stats: SpecStats, counters, stop: int, n_tokens: int, settings: LoopSettings) -> None:
@@ -294,64 +415,18 @@ class Engine:
         stats.stop_reason = STOP_REASONS[stop]
 
 
+def prefill_chunk_bytes(cfg: ModelConfig, chunk: int, dtype: str) -> int:
+    """A bound on one prefill chunk's live activations: a few [chunk, max(2I, qkv)] rows in the activation dtype,
+    float32 partial products, and one [Hq, chunk, 256] float32 block of attention scores (the jnp path)."""
+    width = max(2 * cfg.intermediate_size, cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
+    rows = chunk * width * (2 * jnp.dtype(dtype).itemsize + 4)
+    return int(rows + cfg.num_heads * chunk * 256 * 4 * 2)
+
+
 def default_prefill_chunk(max_len: int) -> int:
     """`jspec.steps.PREFILL_CHUNK` positions, or max_len rounded up to 16 when the cache is shorter (a short engine
     pays no more padding than its cache holds)."""
     return min(PREFILL_CHUNK, -(-max_len // 16) * 16)
-
-
-def prepares_by_default(backend: str, dtype: str) -> bool:
-    """Whether Engine(prepare=None) prepares the int4 weights: on the reference backend, and on the GPU ("pallas")
-    with bfloat16 activations, where the Mosaic GPU kernel (`prepare_ws`) is the faster one."""
-    return backend == "reference" or (backend == "pallas" and dtype == "bfloat16")
-
-
-def resolve_prepare(prepare: bool | None, params, dtype: str, backend: str) -> bool:
-    """Engine's `prepare` argument -> whether to prepare. None: `prepares_by_default`, declined with a warning when
-    the prepared copy would not fit (`prep_shortfall`)."""
-    if prepare is not None:
-        return bool(prepare)
-    if not prepares_by_default(backend, dtype):
-        return False
-    short = prep_shortfall(params, dtype, backend)
-    if short:
-        warnings.warn(f"{short}; pass prepare=True to use it anyway or prepare=False to silence this", stacklevel=3)
-    return not short
-
-
-def prep_shortfall(params, dtype: str, backend: str) -> str | None:
-    """Why the default preparation would not fit in memory (None: it fits or cannot be checked)."""
-    if backend == "reference" and not reference_prep_fits(params, dtype):
-        need = prepared_nbytes(params, dtype) / 2**30
-        return (
-            f"int4 weights are dequantized in every step (slower): their prepared copy ({need:.1f} GiB) would take "
-            "over a quarter of this machine's memory"
-        )
-    free = device_free_bytes() if backend == "pallas" else None
-    if free is None:
-        return None
-    need = ws_prep_nbytes(params)
-    if need <= free:
-        return None
-    return (
-        f"the int4 weights stay on the Triton kernel (slower): preparing them for the Mosaic GPU kernel "
-        f"needs {need / 2**30:.1f} GiB of device memory, {free / 2**30:.1f} GiB is free"
-    )
-
-
-def device_free_bytes() -> int | None:
-    """Free bytes of the default device's allocator (None where it reports no statistics)."""
-    stats = jax.devices()[0].memory_stats()
-    return stats["bytes_limit"] - stats["bytes_in_use"] if stats and "bytes_limit" in stats else None
-
-
-def prepare_params(params, dtype: str, backend: str):
-    """The one-time int4 preparation for a kernel backend (see Engine's `prepare`)."""
-    if backend == "reference":
-        return prepare_reference(params, dtype)
-    if backend == "pallas" and dtype == "bfloat16":
-        return prepare_ws(params)
-    raise ValueError(f"prepare=True: no int4 preparation for the {backend!r} kernel backend with {dtype} activations")
 
 
 def _progress_bar(total: int, desc: str, unit: str):

@@ -7,6 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jspec import checks
+
 
 @dataclasses.dataclass(frozen=True)
 class HitDensityGate:
@@ -22,6 +24,8 @@ class HitDensityGate:
     min_hits: int = 8
 
     def __post_init__(self):
+        checks.integer(self.window, "HitDensityGate window", lo=1)
+        checks.integer(self.min_hits, "HitDensityGate min_hits", lo=1)
         if not 1 <= self.min_hits <= self.window:
             raise ValueError(f"need 1 <= min_hits <= window, got min_hits={self.min_hits}, window={self.window}")
 

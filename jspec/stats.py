@@ -18,6 +18,8 @@ class SpecStats:
     near_tie_rejections: rejected draft tokens within TieGuard.eps of the row max (diagnostic).
     gate_engaged: steps on which the gate allowed a verify (None without a gate).
     exact: False only when a tolerant TieGuard accepted a non-argmax token (then output may differ from greedy).
+    loop: "host" (prefill, decode and verify calls timed apart) or "device" (one call: only the wall is timed).
+    sampler: the Sampler's fields (None: greedy).
     """
 
     steps: int = 0
@@ -39,6 +41,8 @@ class SpecStats:
     prefill_time_s: float = 0.0
     decode_time_s: float = 0.0
     verify_time_s: float = 0.0
+    loop: str = "host"
+    sampler: dict | None = None
 
     @property
     def mean_accepted(self) -> float:
@@ -61,15 +65,25 @@ class SpecStats:
         lines = [
             f"new tokens {self.new_tokens} in {self.wall_time_s:.3f} s ({self.tokens_per_s:.1f} tok/s), "
             f"stop: {self.stop_reason}{'' if self.exact else '  [INEXACT: tolerant TieGuard]'}",
-            f"steps {self.steps}: decode {self.decode_steps} ({self.decode_time_s:.3f} s), "
-            f"verify {self.verify_steps} ({self.verify_time_s:.3f} s), prefill {self.prefill_time_s:.3f} s",
         ]
+        if self.loop == "device":
+            lines.append(
+                f"steps {self.steps}: decode {self.decode_steps}, verify {self.verify_steps} (on device: prefill and "
+                "the rounds ran in one call, timed only as a whole)"
+            )
+        else:
+            lines.append(
+                f"steps {self.steps}: decode {self.decode_steps} ({self.decode_time_s:.3f} s), "
+                f"verify {self.verify_steps} ({self.verify_time_s:.3f} s), prefill {self.prefill_time_s:.3f} s"
+            )
         if self.verify_steps:
             per_pos = " ".join("-" if a is None else f"{a:.2f}" for a in self.per_position_acceptance)
             lines.append(
                 f"drafted {self.drafted}, accepted {self.accepted}, mean_accepted {self.mean_accepted:.2f}, "
                 f"acceptance {self.acceptance_rate:.2f}, per position [{per_pos}]"
             )
+        if self.sampler is not None:
+            lines.append("sampled: " + ", ".join(f"{k}={v}" for k, v in self.sampler.items()))
         if self.gate_engaged is not None:
             lines.append(f"gate engaged on {self.gate_engaged} steps, would-hits {self.would_hits}")
         if self.near_tie_rejections or self.tolerated_near_ties:

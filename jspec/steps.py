@@ -81,15 +81,35 @@ def _tile_step(params: dict, cfg: ModelConfig, state: DecodeState, row_tokens: j
     return dataclasses.replace(state, cache=cache, hidden=hidden), logits
 
 
+def decode_tile(params: dict, cfg: ModelConfig, state: DecodeState):
+    """`decode_step` with the whole row tile: (state, float32 logits [ROW_TILE, V], the tile's input tokens int32
+    [ROW_TILE]); row 0 is the decode's, the others are padding (what the sampler processes along, rule 8)."""
+    pending = state.tokens[state.position]
+    row_tokens = jnp.zeros((ROW_TILE,), jnp.int32).at[0].set(pending)
+    state, logits = _tile_step(params, cfg, state, row_tokens, rows=1)
+    return state, logits, row_tokens
+
+
 def decode_step(params: dict, cfg: ModelConfig, state: DecodeState):
     """Process the pending token at state.position. Returns (state, float32 logits [V]).
 
     Writes the KV row at state.position; the position advances only in `commit`.
     """
-    pending = state.tokens[state.position]
-    row_tokens = jnp.zeros((ROW_TILE,), jnp.int32).at[0].set(pending)
-    state, logits = _tile_step(params, cfg, state, row_tokens, rows=1)
+    state, logits, _ = decode_tile(params, cfg, state)
     return state, logits[0]
+
+
+def verify_tile(params: dict, cfg: ModelConfig, state: DecodeState, draft: jax.Array):
+    """`verify_step` with the whole row tile: (state, float32 logits [ROW_TILE, V], input tokens int32 [ROW_TILE]:
+    the pending token, the draft, padding)."""
+    k = draft.shape[0]
+    if not 1 <= k <= ROW_TILE - 1:
+        raise ValueError(f"draft length k={k} must be in 1..{ROW_TILE - 1} (k + 1 rows within the row tile)")
+    pending = state.tokens[state.position]
+    row_tokens = jnp.zeros((ROW_TILE,), jnp.int32).at[0].set(pending).at[1 : k + 1].set(draft.astype(jnp.int32))
+    state, logits = _tile_step(params, cfg, state, row_tokens, rows=k + 1)
+    tokens = jax.lax.dynamic_update_slice(state.tokens, draft.astype(jnp.int32), (state.position + 1,))
+    return dataclasses.replace(state, tokens=tokens), logits, row_tokens
 
 
 def verify_step(params: dict, cfg: ModelConfig, state: DecodeState, draft: jax.Array):
@@ -99,14 +119,8 @@ def verify_step(params: dict, cfg: ModelConfig, state: DecodeState, draft: jax.A
     accepted ones are overwritten later). Returns (state, float32 logits [k + 1, V]); row i equals
     decode_step's logits at position state.position + i bit for bit.
     """
-    k = draft.shape[0]
-    if not 1 <= k <= ROW_TILE - 1:
-        raise ValueError(f"draft length k={k} must be in 1..{ROW_TILE - 1} (k + 1 rows within the row tile)")
-    pending = state.tokens[state.position]
-    row_tokens = jnp.zeros((ROW_TILE,), jnp.int32).at[0].set(pending).at[1 : k + 1].set(draft.astype(jnp.int32))
-    state, logits = _tile_step(params, cfg, state, row_tokens, rows=k + 1)
-    tokens = jax.lax.dynamic_update_slice(state.tokens, draft.astype(jnp.int32), (state.position + 1,))
-    return dataclasses.replace(state, tokens=tokens), logits[: k + 1]
+    state, logits, _ = verify_tile(params, cfg, state, draft)
+    return state, logits[: draft.shape[0] + 1]
 
 
 def commit(state: DecodeState, n_accepted: jax.Array, next_token: jax.Array) -> DecodeState:

@@ -23,14 +23,13 @@ The jnp reference product takes `Int4Codes` too, with the bits of the `Int4Weigh
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backend as _backend
 from pallas_kernels.int4 import Int4Weight, dequantize_halves
-from pallas_kernels.int4_ws import Int4Codes, fits, padded_k, prepare_codes, to_int4_weight
+from pallas_kernels.int4_ws import Int4Codes, to_int4_weight
 
 
 @jax.tree_util.register_dataclass
@@ -119,52 +118,3 @@ def _product(x: jax.Array, w: Weight) -> jax.Array:
     dims = (((1,), (1,)), ((), ()))  # x [M, K // 2] . halves [N, K // 2] over K // 2
     dot = jax.lax.dot_general(x[:, 0::2], even, dims, preferred_element_type=jnp.float32)
     return dot + jax.lax.dot_general(x[:, 1::2], odd, dims, preferred_element_type=jnp.float32)
-
-
-def _is_int4(w) -> bool:
-    return isinstance(w, Int4Weight)
-
-
-def _map_int4(fn, params):
-    """params with every Int4Weight w replaced by fn(w); every other leaf unchanged."""
-    return jax.tree.map(lambda w: fn(w) if _is_int4(w) else w, params, is_leaf=_is_int4)
-
-
-def prepare_reference(params, dtype):
-    """params with every Int4Weight replaced by its Int4Halves in `dtype` (the activation dtype), for the
-    reference backend: the row-tile and prefill products give the same bits, without dequantizing per call."""
-    return _map_int4(lambda w: Int4Halves(*dequantize_halves(w, dtype)), params)
-
-
-def prepare_ws(params):
-    """params with every symmetric Int4Weight whose N fits the Mosaic GPU kernel's 128-row tile replaced by its
-    Int4Codes (K padded to a multiple of the 256-k tile: e.g. GLM-4-9B's down, K = 13696). On the H200
-    that kernel beat the Triton row-tile kernel on every Qwen2.5-7B / 14B linear shape: 1.28-1.58x on gate_up,
-    down, lm_head (benchmarks/results/int4_matmul_h200.json) and 1.15-1.49x on qkv and o (same-process runs,
-    benchmarks/results/int4_qkv_o_h200.json)."""
-    return _map_int4(lambda w: prepare_codes(w) if _takes_ws(w) else w, params)
-
-
-def _takes_ws(w: Int4Weight) -> bool:
-    k, n = w.shape
-    return w.zeros is None and fits(padded_k(k), n)
-
-
-def ws_prep_nbytes(params) -> int:
-    """Device bytes `prepare_ws(params)` needs: a copy of the codes it converts, K padded (the caller keeps the
-    originals), plus the largest conversion's temporaries (~3 bytes a weight: unpacked, re-biased, re-packed)."""
-    taken = [w for w in jax.tree.leaves(params, is_leaf=_is_int4) if _is_int4(w) and _takes_ws(w)]
-    copies = sum(w.nbytes * padded_k(w.shape[0]) // w.shape[0] for w in taken)  # an Int4Weight's bytes scale with K
-    return copies + max((3 * padded_k(w.shape[0]) * w.shape[1] for w in taken), default=0)
-
-
-def prepared_nbytes(params, dtype) -> int:
-    """Bytes the Int4Halves of `prepare_reference(params, dtype)` take (the int4 weights' extra memory)."""
-    leaves = jax.tree.leaves(params, is_leaf=_is_int4)
-    return sum(w.shape[0] * w.shape[1] * jnp.dtype(dtype).itemsize for w in leaves if _is_int4(w))
-
-
-def reference_prep_fits(params, dtype, fraction: float = 0.25) -> bool:
-    """Whether the prepared halves take at most `fraction` of this machine's physical memory."""
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return prepared_nbytes(params, dtype) <= fraction * physical

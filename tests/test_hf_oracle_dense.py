@@ -1,6 +1,6 @@
 """HuggingFace oracle for the dense families (qwen2, llama incl. llama3 rope scaling, glm4; tied and untied):
 tiny random transformers models (every parameter randomized, float32) saved as safetensors and loaded with
-`checkpoints.load_hf`. `jspec.forward` must match transformers' logits and `jspec.generate` its greedy tokens.
+`checkpoints.load_hf`. `jspec.forward` must match transformers' logits and the Engine its greedy tokens.
 
 Also the int4 accuracy report (issue 4 item 6): int4 (`quantize="int4"`, round-to-nearest, blocks of 32) against
 float on the same models. Measured on 30 models (these 6 variants x seeds 0-4, 256 random-token positions each):

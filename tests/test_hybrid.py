@@ -16,7 +16,7 @@ import jspec
 from checkpoints.hf_hybrid import qwen3_next_in_proj_order
 from jspec.config import ModelConfig, UnsupportedModelError
 from jspec.exactness import bits
-from jspec.generate import LoopSettings, decode_round, eos_array, prefill_round
+from jspec.loop import LoopSettings, decode_round, eos_array, prefill_round
 from jspec.models import hybrid, quantize_linears
 from jspec.state import init_state
 from pallas_kernels import ROW_TILE, Int4Weight, quantize, use_backend
@@ -309,7 +309,7 @@ def test_on_device_greedy_loop_matches_host_rounds():
     settings = LoopSettings(max_len=MAX_LEN, k=3, dtype="bfloat16")
     prompt = np.zeros((32,), np.int32)
     prompt[:20] = RANDOM_PROMPT
-    request = (jnp.int32(20), jnp.int32(6), eos_array(None))
+    request = (jnp.int32(20), jnp.int32(6), eos_array((), cfg))
     with use_backend("interpret"):
         first = jax.jit(lambda p, t: prefill_round(p, cfg, settings, t, *request))
         round_ = jax.jit(lambda p, loop: decode_round(p, cfg, settings, loop))

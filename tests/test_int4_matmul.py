@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec import engine as engine_module
 from jspec.exactness import bits
 from jspec.models import quantize_linears
 from pallas_kernels import backend, int4_matmul
+from pallas_kernels import prepare as prepare_module
 from pallas_kernels.int4 import Int4Weight, dequantize, quantize
-from pallas_kernels.matmul import Int4Halves, linear, prepare_reference, prepared_nbytes, reference_rows_matmul
+from pallas_kernels.matmul import Int4Halves, linear, reference_rows_matmul
+from pallas_kernels.prepare import prepare_reference, prepared_nbytes
 from tests.tiny import ScriptDrafter, tiny_config, tiny_params
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -212,7 +213,7 @@ def test_engine_warns_when_the_prepared_copy_does_not_fit(monkeypatch):
     dequantization, same tokens."""
     cfg = tiny_config("qwen2")
     params = quantize_linears(tiny_params(cfg, jnp.float32, seed=3), lm_head=False)
-    monkeypatch.setattr(engine_module, "reference_prep_fits", lambda *a, **k: False)
+    monkeypatch.setattr(prepare_module, "reference_prep_fits", lambda *a, **k: False)
     with pytest.warns(UserWarning, match="dequantized in every step"):
         eng = jspec.Engine(params, cfg, max_len=32, k=2)
     assert not eng.prepared

@@ -12,10 +12,11 @@ import pytest
 
 import jspec
 from jspec.exactness import bits
-from pallas_kernels import backend, int4_ws
+from pallas_kernels import backend, int4_ws, prepare
 from pallas_kernels.int4 import Int4Weight, dequantize, quantize, unpack_codes
 from pallas_kernels.int4_ws import Int4Codes, prepare_codes, to_int4_weight
-from pallas_kernels.matmul import Int4Halves, linear, prepare_ws, ws_prep_nbytes
+from pallas_kernels.matmul import Int4Halves, linear
+from pallas_kernels.prepare import prepare_ws, ws_prep_nbytes
 from tests.tiny import MOSAIC_GPU_TRACES, tiny_config, tiny_params
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -105,16 +106,14 @@ def test_prepare_ws_takes_the_symmetric_weights_that_fit_the_kernel():
 
 
 def test_gpu_preparation_needing_more_than_the_free_device_memory_is_declined(monkeypatch):
-    from jspec import engine as engine_module
-
     params = {"gate_up": _weight(256, 1024, seed=4), "down": _weight(256, 512, seed=5)}
     assert ws_prep_nbytes(params) == params["gate_up"].nbytes + params["down"].nbytes + 3 * 256 * 1024
-    monkeypatch.setattr(engine_module, "ws_prep_nbytes", lambda p: 3 << 30)
-    monkeypatch.setattr(engine_module, "device_free_bytes", lambda: 1 << 30)
-    why = engine_module.prep_shortfall(params, "bfloat16", "pallas")
+    monkeypatch.setattr(prepare, "ws_prep_nbytes", lambda p: 3 << 30)
+    monkeypatch.setattr(prepare, "device_free_bytes", lambda: 1 << 30)
+    why = prepare.prep_shortfall(params, "bfloat16", "pallas")
     assert "stay on the Triton kernel" in why and "needs 3.0 GiB" in why and "1.0 GiB is free" in why
-    monkeypatch.setattr(engine_module, "device_free_bytes", lambda: None)  # no allocator statistics: no check
-    assert engine_module.prep_shortfall(params, "bfloat16", "pallas") is None
+    monkeypatch.setattr(prepare, "device_free_bytes", lambda: None)  # no allocator statistics: no check
+    assert prepare.prep_shortfall(params, "bfloat16", "pallas") is None
 
 
 def test_engine_prepares_for_its_backend():

@@ -16,7 +16,7 @@ import pytest
 import checkpoints
 import jspec
 from jspec.accept import greedy_accept
-from jspec.generate import LoopSettings, eos_array, prefill_round
+from jspec.loop import LoopSettings, eos_array, prefill_round
 from jspec.models import dense, family_module
 from jspec.models.layers import Run
 from jspec.models.mtp import init_mtp_params, mtp_forward, mtp_layer
@@ -284,14 +284,18 @@ def test_drafter_steps_match_full_forward():
         state, hidden = prefill_chunk(params, cfg, state, 0, length, padded.shape[0])
         state = dataclasses.replace(state, drafter=drafter.prefill(params, cfg, state, hidden, 0, length, length))
         state, _ = finish_prefill(params, cfg, state, length)
-        return drafter.propose(params, cfg, state, k), hidden
+        return propose(state), hidden
+
+    def propose(state):  # -> (state holding the drafter's new state, draft, n_valid)
+        mine, draft, n_valid = drafter.propose(params, cfg, state, k)
+        return dataclasses.replace(state, drafter=mine), draft, n_valid
 
     @jax.jit
     def round_(state, draft):
         state, logits = jspec.verify_step(params, cfg, state, draft)
         n_acc, token = greedy_accept(draft, logits, jnp.asarray(k, jnp.int32))
         state = jspec.commit(state, n_acc, token)
-        return drafter.propose(params, cfg, state, k), n_acc
+        return propose(state), n_acc
 
     padded = np.zeros((16,), np.int32)
     padded[: len(prompt)] = prompt
@@ -405,7 +409,7 @@ def test_chunked_prefill_fills_the_mtp_caches_as_one_chunk():
     loops = []
     for chunk in (8, 32):
         settings = LoopSettings(max_len=MAX_LEN, k=3, drafter=jspec.MTPDrafter(), prefill_chunk=chunk)
-        run = jax.jit(lambda p, x, s=settings: prefill_round(p, cfg, s, x, jnp.int32(30), 10, eos_array(None)))
+        run = jax.jit(lambda p, x, s=settings: prefill_round(p, cfg, s, x, jnp.int32(30), 10, eos_array((), cfg)))
         loops.append(run(params, np.pad(prompt, (0, 2))))
     chunked, whole = (loop.state.drafter for loop in loops)
     for a, b in zip(chunked["cache"], whole["cache"], strict=True):

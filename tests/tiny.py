@@ -82,9 +82,9 @@ class ScriptDrafter:
     def prefill(self, params, cfg, state, hidden, start, n_valid, length):
         return None
 
-    def propose(self, params, cfg, state, k):
+    def propose(self, params, cfg, state, k, choose=None):
         script = jnp.asarray(self.script + (0,) * (k + 1), jnp.int32)
         draft = jax.lax.dynamic_slice(script, (state.position + 1,), (k,))
         draft = (draft + self.offset) % self.vocab
         n_valid = jnp.clip(len(self.script) - state.position - 1, 0, k).astype(jnp.int32)
-        return state, draft, n_valid
+        return None, draft, n_valid

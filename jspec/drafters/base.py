@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
@@ -18,9 +19,11 @@ class Drafter(Protocol):
       drafter's own empty state pytree (stored in DecodeState.drafter; None for a stateless drafter).
     prefill: called after every prompt chunk with the chunk's final-normed hidden rows [C, H] at positions
       start..start+C-1 (the first n_valid real) and the prompt length; returns the drafter's state.
-    propose: called after every commit; returns (state, draft int32 [k], n_valid int32 []) where only the
-      first n_valid draft tokens are proposals (0 = a miss: nothing proposed). Must not change anything in
-      the state but its own `drafter` field.
+    propose: called after every commit, with `choose(logits [V] float32, position int32 []) -> int32 []`, how the
+      target would pick the token at a position from logits (the argmax, or the sampler's position-keyed choice:
+      a drafter with logits of its own drafts with it, coupled drafting); returns (the drafter's new state,
+      draft int32 [k], n_valid int32 []) where only the first n_valid draft tokens are proposals (0 = a miss:
+      nothing proposed). draft[i] is a guess for position state.position + 1 + i.
     """
 
     k: int | None
@@ -32,5 +35,5 @@ class Drafter(Protocol):
     ) -> Any: ...
 
     def propose(
-        self, params: dict, cfg: ModelConfig, state: DecodeState, k: int
-    ) -> tuple[DecodeState, jax.Array, jax.Array]: ...
+        self, params: dict, cfg: ModelConfig, state: DecodeState, k: int, choose: Callable
+    ) -> tuple[Any, jax.Array, jax.Array]: ...

@@ -23,6 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jspec import checks
 from jspec.config import ModelConfig
 from jspec.models.dense import kv_cache
 from jspec.models.layers import Run
@@ -34,13 +35,20 @@ from pallas_kernels import ROW_TILE
 
 @dataclasses.dataclass(frozen=True)
 class MTPDrafter:
-    """Propose k tokens (k=None: the engine's k) with the model's MTP head; needs params["mtp"]."""
+    """Propose k tokens (k=None: the engine's k) with the model's MTP head; needs params["mtp"].
+
+    coupled (default True): when sampling, draft each position with the target's own position-keyed choice on the
+    head's logits (docs/design.md rule 8), so a draft equals the sample whenever the head's distribution is close;
+    False: draft the head's argmax whatever the sampler (for comparison). Greedy decoding drafts the argmax either way.
+    """
 
     k: int | None = None
+    coupled: bool = True
 
     def __post_init__(self):
-        if self.k is not None and not 1 <= self.k <= ROW_TILE - 1:
-            raise ValueError(f"MTPDrafter k must be in 1..{ROW_TILE - 1}, got {self.k}")
+        if self.k is not None:
+            checks.integer(self.k, "MTPDrafter k", lo=1, hi=ROW_TILE - 1)
+        checks.instance(self.coupled, bool, "MTPDrafter coupled", "True or False", optional=False)
 
     def init(self, params: dict, cfg: ModelConfig, state: DecodeState):
         """Empty KV caches, one per MTP layer, and the carry [layers - 1, H]."""
@@ -71,7 +79,10 @@ class MTPDrafter:
                 carry = carry.at[i].set(jnp.where(held, row, carry[i]))
         return dict(cache=tuple(caches), carry=carry)
 
-    def propose(self, params: dict, cfg: ModelConfig, state: DecodeState, k: int):
+    def propose(self, params: dict, cfg: ModelConfig, state: DecodeState, k: int, choose=None):
+        """(drafter state, draft int32 [k], k): draft[i] = choose(MTP logits, its position state.position + 1 + i)
+        (choose None: the argmax; the loop passes the sampler's choice for coupled drafting)."""
+        choose = choose if choose is not None and self.coupled else _argmax
         num_layers = min(k, _num_layers(params, cfg))  # layers past k are never used
         if k + num_layers > ROW_TILE:
             raise ValueError(
@@ -105,7 +116,8 @@ class MTPDrafter:
                 i,
             )
             hidden = jnp.roll(chain, shift, axis=0)
-            drafts.append(_argmax_row(params, cfg, jnp.roll(normed, shift, axis=0)[n - 1 + i]))
+            row = jnp.roll(normed, shift, axis=0)[n - 1 + i]
+            drafts.append(choose(logits_from_hidden(params, cfg, row[None])[0], p + 2 + i))
         last = hidden[n - 1 + num_layers - 1]  # the last layer's chain hidden at position p
 
         def chain_step(carry_state, offset):
@@ -115,7 +127,7 @@ class MTPDrafter:
             # one real row: only it attends (a row's bits do not depend on the others, DESIGN 2.2)
             run = Run.step(p + offset, rows=1)
             chain, normed, cache = mtp_layer(params, cfg, rows_h, rows_t, cache, run, num_layers - 1)
-            d = _argmax_row(params, cfg, normed[0])
+            d = choose(logits_from_hidden(params, cfg, normed[:1])[0], p + 1 + num_layers + offset)
             return (cache, chain[0], d), d
 
         draft = jnp.stack(drafts)
@@ -129,13 +141,12 @@ class MTPDrafter:
             carry = state.drafter["carry"].at[: len(carry)].set(jnp.stack(carry))
         else:
             carry = state.drafter["carry"]
-        state = dataclasses.replace(state, drafter=dict(cache=tuple(caches), carry=carry))
-        return state, draft, jnp.asarray(k, jnp.int32)
+        return dict(cache=tuple(caches), carry=carry), draft, jnp.asarray(k, jnp.int32)
 
 
-def _argmax_row(params: dict, cfg: ModelConfig, row: jax.Array) -> jax.Array:
-    """Greedy token (int32 []) of one final-normed hidden row [H]."""
-    return jnp.argmax(logits_from_hidden(params, cfg, row[None])[0]).astype(jnp.int32)
+def _argmax(logits: jax.Array, position) -> jax.Array:
+    del position
+    return jnp.argmax(logits).astype(jnp.int32)
 
 
 def _num_layers(params: dict, cfg: ModelConfig) -> int:

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jspec import checks
 from jspec.config import ModelConfig
 from jspec.state import DecodeState
 
@@ -24,6 +25,10 @@ class PromptLookup:
     k: int | None = None
 
     def __post_init__(self):
+        checks.integer(self.ngram_max, "PromptLookup ngram_max", lo=1)
+        checks.integer(self.ngram_min, "PromptLookup ngram_min", lo=1)
+        if self.k is not None:
+            checks.integer(self.k, "PromptLookup k", lo=1)
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if self.k is not None and self.k < 1:
@@ -35,9 +40,9 @@ class PromptLookup:
     def prefill(self, params, cfg: ModelConfig, state: DecodeState, hidden, start, n_valid, length):
         return None
 
-    def propose(self, params, cfg: ModelConfig, state: DecodeState, k: int):
+    def propose(self, params, cfg: ModelConfig, state: DecodeState, k: int, choose=None):
         draft, n_valid = lookup(state.tokens, state.position, k, self.ngram_min, self.ngram_max)
-        return state, draft, n_valid
+        return None, draft, n_valid
 
 
 def lookup(tokens: jax.Array, last: jax.Array, k: int, ngram_min: int, ngram_max: int):

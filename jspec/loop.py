@@ -10,17 +10,30 @@ proposes the next draft -> the gate decides whether the next round verifies.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.accept import TieGuard, greedy_accept, near_tie, tolerant_accept
+from jspec import checks
+from jspec.accept import TieGuard, accept_chosen, greedy_accept, near_tie, tolerant_accept
 from jspec.config import ModelConfig
 from jspec.gate import HitDensityGate
+from jspec.sampling import Sampler, SamplerValues, SamplingMode, choose_rows, seen_rows
 from jspec.state import DecodeState, init_state
-from jspec.steps import PREFILL_CHUNK, commit, decode_step, finish_prefill, prefill_chunk, verify_step, write_prompt
+from jspec.steps import (
+    PREFILL_CHUNK,
+    commit,
+    decode_step,
+    decode_tile,
+    finish_prefill,
+    prefill_chunk,
+    verify_step,
+    verify_tile,
+    write_prompt,
+)
 from pallas_kernels import ROW_TILE
 
 STOP_RUNNING, STOP_EOS, STOP_MAX_NEW, STOP_CACHE_END = range(4)
@@ -41,6 +54,7 @@ class LoopSettings:
     gate: HitDensityGate | None = None
     tie_guard: TieGuard = TieGuard()
     prefill_chunk: int = PREFILL_CHUNK
+    sampling: SamplingMode | None = None  # None: greedy; else which sampling processors run (jspec.sampling)
 
     def __post_init__(self):
         if not 1 <= self.k <= ROW_TILE - 1:
@@ -49,16 +63,24 @@ class LoopSettings:
             raise ValueError(f"drafter k={self.drafter.k} differs from the engine's k={self.k}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.sampling is not None and self.tie_guard != TieGuard():
+            raise ValueError("TieGuard is a greedy diagnostic (near-ties of the argmax); it does not apply to sampling")
 
 
-def eos_array(eos_ids) -> np.ndarray:
-    """EOS ids (an int, a sequence of ints, or None) -> int32 [MAX_EOS_IDS], -1 padded: one fixed shape, so every
-    request of an Engine runs the same executables whatever its number of EOS ids."""
-    ids = () if eos_ids is None else (eos_ids,) if isinstance(eos_ids, int | np.integer) else tuple(eos_ids)
+def eos_array(eos_ids, cfg: ModelConfig) -> np.ndarray:
+    """EOS ids -> int32 [MAX_EOS_IDS], -1 padded: one fixed shape, so every request of an Engine runs the same
+    executables whatever its number of EOS ids. eos_ids: an int, a sequence of ints, () for none, or None for the
+    model's own (`cfg.eos_token_ids`); each must be a token id of the vocabulary."""
+    if eos_ids is None:
+        eos_ids = cfg.eos_token_ids
+    if isinstance(eos_ids, np.ndarray):
+        eos_ids = eos_ids.tolist()
+    ids = (eos_ids,) if not isinstance(eos_ids, Sequence) or isinstance(eos_ids, str) else tuple(eos_ids)
+    ids = tuple(checks.integer(e, "eos_id", lo=0, hi=cfg.vocab_size - 1) for e in ids)
     if len(ids) > MAX_EOS_IDS:
         raise ValueError(f"at most {MAX_EOS_IDS} EOS ids are supported, got {len(ids)}")
     out = np.full((MAX_EOS_IDS,), -1, np.int32)
-    out[: len(ids)] = [int(e) for e in ids]
+    out[: len(ids)] = ids
     return out
 
 
@@ -91,7 +113,8 @@ class Loop:
     """Carry of the generation loop.
 
     state: the DecodeState. draft int32 [k] / n_valid: the proposal for the next round. hits: the gate's ring.
-    prompt_len, max_new, eos_ids int32 [MAX_EOS_IDS] (-1 padded): the request. prefilled: prompt positions in the
+    prompt_len, max_new, eos_ids int32 [MAX_EOS_IDS] (-1 padded), sampler (None: greedy): the request. prefilled:
+    prompt positions in the
     cache so far. n_out: new tokens so far (the first comes from prefill); they are
     state.tokens[prompt_len : prompt_len + n_out]. use_verify: the next round verifies.
     """
@@ -103,6 +126,7 @@ class Loop:
     prompt_len: jax.Array
     max_new: jax.Array
     eos_ids: jax.Array
+    sampler: SamplerValues | None
     prefilled: jax.Array
     n_out: jax.Array
     stop: jax.Array
@@ -114,9 +138,14 @@ class Loop:
         return self.stop != STOP_RUNNING
 
 
-def start_loop(params: dict, cfg: ModelConfig, settings: LoopSettings, prompt: jax.Array, length, max_new, eos_ids):
+def start_loop(
+    params: dict, cfg: ModelConfig, settings: LoopSettings, prompt: jax.Array, length, max_new, eos_ids, sampler=None
+):
     """prompt int32 [P] padded (P <= max_len), length int32 [] (1..P), max_new int32 [], eos_ids int32
-    [MAX_EOS_IDS] -> the Loop before prefill: a fresh state holding the prompt, the drafter's empty state."""
+    [MAX_EOS_IDS], sampler: SamplerValues (with settings.sampling) or None -> the Loop before prefill: a fresh
+    state holding the prompt, the drafter's empty state."""
+    if (sampler is None) != (settings.sampling is None):
+        raise ValueError("start_loop: pass sampler values exactly when settings.sampling is set")
     state = write_prompt(init_state(cfg, settings.max_len, jnp.dtype(settings.dtype)), prompt)
     if settings.drafter is not None:
         state = dataclasses.replace(state, drafter=settings.drafter.init(params, cfg, state))
@@ -130,6 +159,7 @@ def start_loop(params: dict, cfg: ModelConfig, settings: LoopSettings, prompt: j
         prompt_len=jnp.asarray(length, jnp.int32),
         max_new=jnp.asarray(max_new, jnp.int32),
         eos_ids=jnp.asarray(eos_ids, jnp.int32),
+        sampler=sampler,
         prefilled=zero,
         n_out=zero,
         stop=jnp.asarray(STOP_RUNNING, jnp.int32),
@@ -164,24 +194,59 @@ def prefill_rounds(params: dict, cfg: ModelConfig, settings: LoopSettings, loop:
 def first_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop) -> Loop:
     """After the last prompt chunk: commit the first generated token (the argmax after the prompt), then draft and
     gate the first round."""
-    state, _ = finish_prefill(params, cfg, loop.state, loop.prompt_len)
+    state, logits = finish_prefill(params, cfg, loop.state, loop.prompt_len)
+    if settings.sampling is not None:  # the first token is the sampler's too (from the prefill both runs share)
+        length = loop.prompt_len
+        mode = settings.sampling
+        seen = (
+            seen_rows(state.tokens, length - 1, state.tokens[length - 1][None], logits.shape[0])
+            if mode.penalty
+            else None
+        )
+        token = choose_rows(logits[None], length[None], mode, loop.sampler, seen)[0]
+        state = dataclasses.replace(state, tokens=state.tokens.at[length].set(token))
     first = state.tokens[state.position][None]
     return _finish_round(params, cfg, settings, loop, state, first, jnp.asarray(1, jnp.int32), None)
 
 
 def prefill_round(
-    params: dict, cfg: ModelConfig, settings: LoopSettings, prompt: jax.Array, length, max_new, eos_ids
+    params: dict, cfg: ModelConfig, settings: LoopSettings, prompt: jax.Array, length, max_new, eos_ids, sampler=None
 ) -> Loop:
     """The whole prefill on device: `start_loop`, every chunk, `first_round` -> the Loop the rounds continue."""
-    loop = start_loop(params, cfg, settings, prompt, length, max_new, eos_ids)
+    loop = start_loop(params, cfg, settings, prompt, length, max_new, eos_ids, sampler)
     loop = prefill_rounds(params, cfg, settings, loop, jnp.iinfo(jnp.int32).max)
     return first_round(params, cfg, settings, loop)
 
 
+def _sample_tile(settings: LoopSettings, loop: Loop, tile: jax.Array, row_tokens: jax.Array) -> jax.Array:
+    """The sampler's choice for every row of a step's logits tile [ROW_TILE, V] (int32 [ROW_TILE]): row r's token
+    takes position state.position + 1 + r. The whole tile in decode and verify alike (rule 8); the barrier keeps XLA
+    from narrowing the computation to the rows a step uses (rule 7)."""
+    state = loop.state  # before the step: position p, history[0..p]
+    positions = state.position + 1 + jnp.arange(tile.shape[0], dtype=jnp.int32)
+    seen = seen_rows(state.tokens, state.position, row_tokens, tile.shape[1]) if settings.sampling.penalty else None
+    return jax.lax.optimization_barrier(choose_rows(tile, positions, settings.sampling, loop.sampler, seen))
+
+
+def _chooser(settings: LoopSettings, loop: Loop):
+    """How a drafter picks a token from its own logits [V] for a position: the argmax, or with a sampler the same
+    position-keyed choice the target makes (coupled drafting: the draft then equals the sample whenever the
+    drafter's distribution is close; it never changes the output). The repetition penalty is left to the target."""
+    if settings.sampling is None:
+        return lambda logits, position: jnp.argmax(logits).astype(jnp.int32)
+    mode = dataclasses.replace(settings.sampling, penalty=False)
+    return lambda logits, position: choose_rows(logits[None], jnp.reshape(position, (1,)), mode, loop.sampler)[0]
+
+
 def decode_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop) -> Loop:
-    """One decode_step: commit its argmax; record whether the pending draft would have hit."""
-    state, logits = decode_step(params, cfg, loop.state)
-    token = jnp.argmax(logits).astype(jnp.int32)
+    """One decode_step: commit its argmax (or the sampler's choice); record whether the pending draft would have
+    hit."""
+    if settings.sampling is None:
+        state, logits = decode_step(params, cfg, loop.state)
+        token = jnp.argmax(logits).astype(jnp.int32)
+    else:
+        state, tile, row_tokens = decode_tile(params, cfg, loop.state)
+        token = _sample_tile(settings, loop, tile, row_tokens)[0]
     state = commit(state, jnp.zeros((), jnp.int32), token)
     would_hit = (loop.n_valid > 0) & (loop.draft[0] == token)
     c = loop.counters
@@ -195,13 +260,19 @@ def decode_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: L
 def verify_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop) -> Loop:
     """One verify_step over the pending token + draft: accept the matching prefix, commit, add the bonus token."""
     draft, n_valid = loop.draft, loop.n_valid
-    state, logits = verify_step(params, cfg, loop.state, draft)
     guard = settings.tie_guard
     c = loop.counters
-    if guard.tolerant:
+    if settings.sampling is not None:  # accept a draft token iff it is the sampler's choice at its position
+        state, tile, row_tokens = verify_tile(params, cfg, loop.state, draft)
+        chosen = _sample_tile(settings, loop, tile, row_tokens)
+        n_acc, token = accept_chosen(draft, chosen[: draft.shape[0] + 1], n_valid)
+        tolerated = near = jnp.zeros((), jnp.int32)
+    elif guard.tolerant:
+        state, logits = verify_step(params, cfg, loop.state, draft)
         n_acc, token, tolerated = tolerant_accept(draft, logits, n_valid, guard.eps)
         near = jnp.zeros((), jnp.int32)
     else:
+        state, logits = verify_step(params, cfg, loop.state, draft)
         n_acc, token = greedy_accept(draft, logits, n_valid)
         tolerated = jnp.zeros((), jnp.int32)
         near = near_tie(draft, logits, n_acc, n_valid, guard.eps).astype(jnp.int32) if guard.eps > 0 else 0
@@ -240,7 +311,8 @@ def _finish_round(params, cfg, settings: LoopSettings, loop: Loop, state: Decode
     if settings.drafter is None:
         draft, n_valid = loop.draft, jnp.zeros((), jnp.int32)
     else:
-        state, draft, n_valid = settings.drafter.propose(params, cfg, state, settings.k)
+        mine, draft, n_valid = settings.drafter.propose(params, cfg, state, settings.k, _chooser(settings, loop))
+        state = dataclasses.replace(state, drafter=mine)
         # Commit no token past the budget or the cache: n accepted + the bonus must fit.
         room = jnp.minimum(loop.max_new - n_out, settings.max_len - state.position) - 1
         n_valid = jnp.clip(jnp.minimum(n_valid, room), 0, settings.k).astype(jnp.int32)
@@ -264,16 +336,50 @@ def _finish_round(params, cfg, settings: LoopSettings, loop: Loop, state: Decode
     )
 
 
+# What `generate_on_device` checks on device (bit -> the rule broken); DeviceGeneration.error holds their sum.
+REQUEST_ERRORS = {
+    1: "prompt_len must be in 1..len(prompt)",
+    2: "max_new_tokens must be >= 1",
+    4: "prompt_len + max_new_tokens must be <= max_len + 1 (the last token is produced but never fed back)",
+    8: "every prompt token id must be in [0, vocab_size)",
+}
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DeviceGeneration:
     """Result of `generate_on_device`: tokens int32 [max_len] (the new tokens, valid up to num_tokens),
-    num_tokens int32 [], stop_reason int32 [] (index into jspec.stats.STOP_REASONS), counters."""
+    num_tokens int32 [], stop_reason int32 [] (index into jspec.stats.STOP_REASONS), counters, and error int32 []:
+    0, or the sum of the REQUEST_ERRORS bits the request broke (then nothing ran: num_tokens is 0)."""
 
     tokens: jax.Array
     num_tokens: jax.Array
     stop_reason: jax.Array
     counters: Counters
+    error: jax.Array
+
+    def raise_if_error(self) -> DeviceGeneration:
+        """On the host, after the call: raise ValueError naming every rule the request broke; else return self."""
+        code = int(self.error)
+        if code:
+            broken = "; ".join(message for bit, message in REQUEST_ERRORS.items() if code & bit)
+            raise ValueError(f"generate_on_device refused the request (error {code}): {broken}")
+        return self
+
+
+def request_error(cfg: ModelConfig, settings: LoopSettings, prompt: jax.Array, prompt_len, max_new) -> jax.Array:
+    """int32 []: the REQUEST_ERRORS bits a traced request breaks (0: valid)."""
+    length = jnp.asarray(prompt_len, jnp.int32)
+    max_new = jnp.asarray(max_new, jnp.int32)
+    real = jnp.arange(prompt.shape[0]) < length
+    bad_token = jnp.any(real & ((prompt < 0) | (prompt >= cfg.vocab_size)))
+    broken = (
+        (length < 1) | (length > prompt.shape[0]),
+        max_new < 1,
+        length + max_new > settings.max_len + 1,
+        bad_token,
+    )
+    return sum(jnp.where(b, bit, 0) for b, bit in zip(broken, REQUEST_ERRORS, strict=True)).astype(jnp.int32)
 
 
 def run_rounds(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop, max_rounds, verify: bool) -> Loop:
@@ -300,17 +406,66 @@ def generate_on_device(
     prompt_len,
     max_new_tokens,
     settings: LoopSettings,
-    eos_ids=(),
+    eos_ids=None,
+    sampler=None,
 ) -> DeviceGeneration:
     """The whole generation on device (`lax.while_loop`), jittable and callable inside a user's `jax.jit`.
 
-    prompt int32 [T] (padded to any fixed length <= settings.max_len), prompt_len int32 [] (1..T),
-    max_new_tokens int32 [] (prompt_len + max_new_tokens <= max_len is the caller's responsibility here; the
-    Engine checks it), eos_ids: an int, a sequence of up to MAX_EOS_IDS ints (static), or an int32 [MAX_EOS_IDS]
-    array (-1 padded; traced is fine). cfg and settings are static. Same rounds, same tokens as the Engine.
+    prompt int32 [T] (padded to any fixed length <= settings.max_len), prompt_len int32 [] (1..T), max_new_tokens
+    int32 [] (>= 1, prompt_len + max_new_tokens <= max_len + 1), eos_ids: as `eos_array` (None: the model's own,
+    (): none; static), or an int32 [MAX_EOS_IDS] array (-1 padded; traced is fine). sampler: a `jspec.Sampler`
+    whose mode is settings.sampling (`engine.settings(sampler=...)`), or its `SamplerValues` (traced is fine: a new
+    seed or temperature compiles nothing); None for greedy settings. cfg and settings are static. Same rounds,
+    same tokens as the Engine.
+
+    Errors: what is static (shapes, dtypes, settings, EOS ids) raises at trace time. The values, which inside jit
+    may be traced, are checked on device (`request_error`): a request breaking a rule runs nothing and returns
+    num_tokens 0 with `error` set; call `raise_if_error()` on the fetched result to turn it into a ValueError.
     """
-    eos = eos_ids if isinstance(eos_ids, jax.Array) else eos_array(eos_ids)
-    loop = prefill_round(params, cfg, settings, prompt, prompt_len, max_new_tokens, eos)
+    checks.instance(cfg, ModelConfig, "cfg", "a jspec.ModelConfig", optional=False)
+    checks.instance(settings, LoopSettings, "settings", "a jspec.LoopSettings (engine.settings(...))", optional=False)
+    if jnp.ndim(prompt) != 1 or not jnp.issubdtype(jnp.result_type(prompt), jnp.integer):
+        raise TypeError(f"prompt must be a 1-D integer array, got {jnp.shape(prompt)} {jnp.result_type(prompt)}")
+    if prompt.shape[0] > settings.max_len:
+        raise ValueError(f"prompt array of {prompt.shape[0]} tokens is longer than max_len {settings.max_len}")
+    eos = eos_ids if isinstance(eos_ids, jax.Array) else eos_array(eos_ids, cfg)
+    values = sampler_values(sampler, settings)
+    prompt = jnp.asarray(prompt, jnp.int32)
+    error = request_error(cfg, settings, prompt, prompt_len, max_new_tokens)
+
+    def run(_):
+        return _generate(params, cfg, settings, prompt, prompt_len, max_new_tokens, eos, values)
+
+    def refuse(_):
+        empty = Counters.zeros(settings.k)
+        zero = jnp.zeros((), jnp.int32)
+        tokens = jnp.zeros((settings.max_len,), jnp.int32)
+        return DeviceGeneration(tokens, zero, jnp.asarray(STOP_RUNNING, jnp.int32), empty, zero)
+
+    out = jax.lax.cond(error == 0, run, refuse, None)
+    return dataclasses.replace(out, error=error)
+
+
+def sampler_values(sampler, settings: LoopSettings) -> SamplerValues | None:
+    """The runtime sampling values of a request (a Sampler, SamplerValues or None), checked against the settings."""
+    if isinstance(sampler, Sampler):
+        if sampler.mode != settings.sampling:
+            raise ValueError(
+                f"the sampler's processors ({sampler.mode}) are not the settings' ({settings.sampling}): build the "
+                "settings from the same sampler (engine.settings(sampler=...))"
+            )
+        return None if sampler.greedy else sampler.values()
+    if sampler is not None and not isinstance(sampler, SamplerValues):
+        raise TypeError(f"sampler must be a jspec.Sampler, SamplerValues or None, got {type(sampler).__name__}")
+    if (sampler is None) != (settings.sampling is None):
+        raise ValueError(
+            "settings sample but no sampler was given" if sampler is None else "greedy settings take no sampler"
+        )
+    return sampler
+
+
+def _generate(params, cfg: ModelConfig, settings: LoopSettings, prompt, prompt_len, max_new_tokens, eos, sampler):
+    loop = prefill_round(params, cfg, settings, prompt, prompt_len, max_new_tokens, eos, sampler)
 
     def body(loop: Loop) -> Loop:
         if settings.drafter is None:
@@ -326,4 +481,4 @@ def generate_on_device(
     tokens = jax.lax.dynamic_slice_in_dim(
         jnp.pad(loop.state.tokens, (0, settings.max_len)), loop.prompt_len, settings.max_len
     )
-    return DeviceGeneration(tokens=tokens, num_tokens=loop.n_out, stop_reason=loop.stop, counters=loop.counters)
+    return DeviceGeneration(tokens, loop.n_out, loop.stop, loop.counters, jnp.zeros((), jnp.int32))

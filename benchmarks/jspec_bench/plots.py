@@ -1,0 +1,143 @@
+"""The plots of a results JSON (`make_plots`, matplotlib): roofline.png (each step kind's read bandwidth as % of the
+roofline), step_time.png (GPU runs: where a decode step's time goes, by kernel group) and speedup.png (speculative
+speedup against mean_accepted, with verify's break-even)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+
+from jspec_bench.e2e import E2E_CONFIGS
+from jspec_bench.report import TARGETS
+from jspec_bench.summary import _step_models
+from jspec_bench.timing import KERNEL_GROUPS
+
+
+def _plot_step_time(plt, models: dict, path: Path) -> bool:
+    """Per model, the decode step's wall time split into its GPU kernel groups and the time between kernels, against
+    the roofline time of the bytes it reads and the decode target's time (the roofline time / the target fraction).
+    False when no model has GPU kernel times (CPU runs)."""
+    steps = {n: m["decode"] for n, m in models.items() if m["decode"].get("gpu_kernels")}
+    if not steps:
+        return False
+    parts = [g for g, _ in KERNEL_GROUPS] + ["XLA ops", "between kernels"]
+    fig, ax = plt.subplots(figsize=(9, 2.2 + 0.7 * len(steps)))
+    target = TARGETS["decode_roofline_14b"]
+    legend = {}  # label -> the first artist drawn with it
+    for y, step in enumerate(steps.values()):
+        kernels = step["gpu_kernels"]
+        us = dict(kernels["groups_us"], **{"between kernels": max(0.0, step["time_s"] * 1e6 - kernels["kernel_us"])})
+        left = 0.0
+        for i, part in enumerate(parts):
+            width = us.get(part, 0.0) / 1e3
+            if width:
+                legend.setdefault(part, ax.barh(y, width, left=left, color=f"C{i}"))
+                left += width
+        ax.text(left, y, f" {left:.2f} ms, {kernels['launches']} launches", va="center", fontsize=8)
+        roof = step["roofline_time_s"] * 1e3
+        legend.setdefault("roofline time of the bytes read", ax.vlines(roof, y - 0.4, y + 0.4, color="black", lw=2))
+        legend.setdefault(
+            f"decode target ({target:.0%} of roofline)",
+            ax.vlines(roof / target, y - 0.4, y + 0.4, color="red", ls="--", lw=1.5),
+        )
+    ax.set_xlim(0, 1.25 * max(s["time_s"] for s in steps.values()) * 1e3)
+    ax.set_yticks(range(len(steps)), list(steps))
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per decode step")
+    ax.set_title("Where a decode step's time goes (GPU kernel time by group, XLA profiler)")
+    markers = [label for label in legend if label not in parts]
+    labels = markers + [part for part in parts if part in legend]
+    ax.legend(
+        [legend[label] for label in labels],
+        labels,
+        fontsize=7,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12),
+        ncol=4,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def make_plots(data: dict, out_dir: str) -> list[str]:
+    """roofline.png: each step kind's achieved read bandwidth as % of the roofline, per model (step time on the bar);
+    step_time.png (GPU runs): where each model's decode step time goes (`_plot_step_time`);
+    speedup.png: speculative speedup against mean_accepted, with verify(k)'s break-even mean_accepted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    models = {n: m for n, m in _step_models(data).items() if "decode" in m and "roofline_fraction" in m["decode"]}
+    if models:
+        ks = sorted({int(k) for m in models.values() for k in m["verify"]})
+        kinds = [("decode", lambda m: m["decode"])] + [
+            (f"verify k={k}", functools.partial(lambda m, k: m["verify"].get(str(k)), k=k)) for k in ks
+        ]
+        fig, ax = plt.subplots(figsize=(max(7, 2 * len(kinds)), 4.5))
+        width = 0.8 / len(models)
+        for i, (name, m) in enumerate(models.items()):
+            for j, (_, get) in enumerate(kinds):
+                step = get(m)
+                if not step:
+                    continue
+                x = j + i * width
+                ax.bar(x, 100 * step["roofline_fraction"], width, color=f"C{i}", label=name if j == 0 else None)
+                ax.text(
+                    x,
+                    100 * step["roofline_fraction"],
+                    f"{step['time_s'] * 1e3:.2f}",
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
+        ax.axhline(100 * TARGETS["decode_roofline_14b"], color="red", ls="--", lw=1, label="decode target (55%)")
+        ax.set_xticks([j + width * (len(models) - 1) / 2 for j in range(len(kinds))], [k for k, _ in kinds])
+        ax.set_ylabel("% of HBM read roofline")
+        roof = data["sections"].get("roofline", {}).get("roofline_Bps")
+        ax.set_title(f"Step read bandwidth (roofline {roof / 1e12:.2f} TB/s; labels: ms per step)" if roof else "")
+        ax.legend(fontsize=8)
+        files.append(str(out / "roofline.png"))
+        fig.tight_layout()
+        fig.savefig(files[-1], dpi=120)
+        plt.close(fig)
+        if _plot_step_time(plt, models, out / "step_time.png"):
+            files.append(str(out / "step_time.png"))
+    e2e = data["sections"].get("e2e", {})
+    variants = {k: v for k, v in e2e.get("variants", {}).items() if "configs" in v}
+    if variants:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for label in [c[0] for c in E2E_CONFIGS if not c[0].startswith("greedy")]:
+            pts = [
+                (v["configs"][label]["mean_accepted"], v["configs"][label]["speedup_vs_greedy"])
+                for v in variants.values()
+                if label in v["configs"]
+                and v["configs"][label]["verify_steps"]
+                and "speedup_vs_greedy" in v["configs"][label]
+            ]
+            if pts:
+                xs, ys = zip(*sorted(pts), strict=True)
+                ax.plot(xs, ys, "o-", label=label)
+        ax.axhline(1.0, color="gray", lw=1)
+        v7 = models.get(e2e.get("model"), {}).get("verify", {}).get(str(e2e.get("k")))
+        if v7:
+            be = v7["break_even_mean_accepted"]
+            ax.axvline(be, color="red", ls="--", lw=1, label=f"break-even mean_accepted {be:.2f} (verify k={e2e['k']})")
+            xs = np.linspace(1, e2e["k"] + 1, 50)
+            ax.plot(xs, xs / be, color="red", lw=0.8, alpha=0.6, label="model: mean_accepted x decode/verify")
+        ax.set_xlabel("mean_accepted (tokens committed per verify step)")
+        ax.set_ylabel("speedup vs greedy (decode tok/s)")
+        ax.set_title(f"{e2e.get('model')}: speculative speedup against acceptance")
+        ax.legend(fontsize=8)
+        files.append(str(out / "speedup.png"))
+        fig.tight_layout()
+        fig.savefig(files[-1], dpi=120)
+        plt.close(fig)
+    return files

@@ -1,0 +1,126 @@
+"""The results JSON of a bench run: `Report` (written atomically after every sub-step, with the identity checks'
+tally), its `meta` (device, versions, commit, options), the external `REFERENCES` and DESIGN 5 `TARGETS` it is
+compared with, and `Context`, what every section function gets: the options, the budget, the report, the compile
+counter and estimator, and what one section hands to a later one."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import subprocess
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+
+from pallas_kernels import get_backend
+
+if TYPE_CHECKING:
+    from jspec_bench.options import Options
+    from jspec_bench.timing import Budget, CompileCounter, CompileEstimator
+
+SCHEMA = 1
+
+# External references measured on this H200 (DESIGN 5), quoted, not measured by this bench.
+REFERENCES = {
+    "gpt_fast_int4_g32_llama3_8b_tok_s": 228.8,
+    "gpt_fast_bf16_llama3_8b_tok_s": 172.3,
+    "hf_transformers_bf16_eager_qwen2.5_7b_tok_s": 16.8,
+    "earlier_engine_qwen2.5_14b_decode_ms": 7.9,
+}
+TARGETS = {  # DESIGN 5 / issue 7
+    "decode_roofline_14b": 0.55,
+    "verify7_over_decode": 1.25,
+    "speedup_at_mean_accepted_3": 2.0,
+    "gate_no_hit_vs_greedy": 0.97,
+    "greedy_tok_s_llama3_8b": 460.0,
+}
+
+
+class Report:
+    """The results JSON, written atomically after every sub-step (a run cut short keeps what it measured)."""
+
+    def __init__(self, path: str, meta: dict):
+        self.path = Path(path)
+        self.data = {"schema": SCHEMA, "meta": meta, "sections": {}, "identity": {"ok": True, "checks": 0}}
+        self.data["identity"]["failures"] = []
+        self.errors = 0
+
+    def section(self, name: str) -> dict:
+        return self.data["sections"].setdefault(name, {"status": "running"})
+
+    def check_identity(self, ok: bool, what: str) -> bool:
+        self.data["identity"]["checks"] += 1
+        if not ok:
+            self.data["identity"]["ok"] = False
+            self.data["identity"]["failures"].append(what)
+            print(f"IDENTITY FAILURE: {what}", flush=True)
+        return ok
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=_json_default))
+        os.replace(tmp, self.path)
+
+
+def _json_default(x):
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"not JSON serializable: {type(x)}")
+
+
+def _error_text(e: BaseException) -> str:
+    return "".join(traceback.format_exception(e))[-3000:]
+
+
+@dataclasses.dataclass
+class Context:
+    opts: Options
+    budget: Budget
+    report: Report
+    compiles: CompileCounter
+    estimator: CompileEstimator
+    roofline_Bps: float | None = None
+    kept: dict = dataclasses.field(default_factory=dict)  # params kept for a later section: name -> (params, cfg)
+
+
+def _meta(opts: Options, argv) -> dict:
+    dev = jax.devices()[0]
+    meta = {
+        "mode": "quick" if opts.quick else "full",
+        "device": dev.device_kind,
+        "platform": dev.platform,
+        "device_count": jax.device_count(),
+        "jax": jax.__version__,
+        "kernel_backend": get_backend(),
+        "commit": opts.commit or _git_commit(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "argv": list(argv or []),
+        "python": platform.python_version(),
+        "budget_s": opts.budget_s,
+        "lm_head": opts.lm_head,
+        "options": dataclasses.asdict(opts),
+        "references": REFERENCES,
+    }
+    try:
+        import jaxlib
+
+        meta["jaxlib"] = jaxlib.__version__
+    except ImportError:
+        pass
+    return meta
+
+
+def _git_commit() -> str:
+    try:
+        root = Path(__file__).resolve().parents[2]
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

@@ -1,0 +1,208 @@
+"""Clocks of the bench: the wall-clock `Budget`, the XLA compile counter and compile-time estimator, concurrent
+compiles (`run_parallel`), median timers (`torch_median`: the one torch timer, which benchmarks/*.py import too),
+the XLA profiler's GPU kernel times (`profile`, `kernel_times`) and `_time_chain`, the timing of a jitted step
+chained on its donated state."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+
+from jspec_bench.report import _error_text
+
+
+class Budget:
+    """Wall-clock budget from the start of the run (None: unlimited)."""
+
+    def __init__(self, total_s: float | None):
+        self.total_s = total_s
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return float("inf") if self.total_s is None else self.total_s - self.elapsed()
+
+    def why_not(self, estimate_s: float, what: str) -> str | None:
+        """None if `what` (estimated at estimate_s) fits in the remaining budget, else the reason to skip it."""
+        left = self.left()
+        if estimate_s <= left:
+            return None
+        return (
+            f"budget: {what} estimated {estimate_s:.0f} s, {max(left, 0):.0f} s of --budget-s {self.total_s:.0f} left"
+        )
+
+
+class CompileCounter:
+    """Counts XLA backend compiles (a jax.monitoring listener) — to show that timed runs compile nothing."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+        self.seconds = 0.0
+        self._lock = threading.Lock()  # compiles run on several threads
+
+    def __call__(self, event: str, duration: float, **kwargs) -> None:
+        if event == self.EVENT:
+            with self._lock:
+                self.count += 1
+                self.seconds += duration
+
+
+def run_parallel(tasks: dict[str, Callable], threads: int) -> dict[str, tuple[object, float]]:
+    """Run zero-argument callables (compiles, warm-ups) on `threads` threads: {name: (result, seconds)}.
+
+    XLA compiles outside the GIL, so executables compile concurrently. Exceptions propagate."""
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - t0
+
+    if threads <= 1 or len(tasks) <= 1:
+        return {name: timed(fn) for name, fn in tasks.items()}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(threads, len(tasks))) as pool:
+        futures = {name: pool.submit(timed, fn) for name, fn in tasks.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+class CompileEstimator:
+    """Predicts an executable's compile time from those measured so far (seconds per layer), for the budget."""
+
+    def __init__(self, prior_s_per_layer: float):
+        self.rates: list[float] = []
+        self.prior = prior_s_per_layer
+
+    def observe(self, seconds: float, layers: int, weight: float = 1.0) -> None:
+        self.rates.append(seconds / (max(layers, 1) * weight))
+
+    def estimate(self, layers: int, weight: float = 1.0) -> float:
+        rate = statistics.mean(self.rates) if self.rates else self.prior
+        return 2.0 + rate * layers * weight
+
+
+BATCH = 8
+
+
+def _median_wall(fn: Callable, repeats: int) -> float:
+    """Median wall seconds of fn() (which must block) over repeats, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def torch_median(fn: Callable, repeats: int, device: str = "cuda", warmup: int = 1) -> float:
+    """Median seconds of fn() on the torch device (CUDA events on a GPU), after `warmup` calls.
+
+    The one torch timer of the benchmarks (benchmarks/*.py import it)."""
+    import torch
+
+    if device != "cuda":
+        return _median_wall(fn, repeats)
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+# Kernel-name substrings of the GPU time groups a step's kernels are summed into (first match wins; else "XLA ops").
+KERNEL_GROUPS = (
+    ("int4 Mosaic GPU", ("int4_ws",)),
+    ("int4 Triton", ("int4_rows", "dense_rows")),
+    ("attention", ("jspec_attention",)),
+    ("recurrent", ("jspec_gdn",)),
+)
+
+
+def kernel_times(profile, calls: int) -> dict:
+    """GPU kernel time per call from a `jax.profiler.ProfileData` of `calls` calls: every kernel event on the GPU
+    planes' stream lines, summed by name and by `KERNEL_GROUPS` group, in microseconds per call."""
+    by_name: dict[str, float] = {}
+    launches = 0
+    for plane in profile.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for event in line.events:
+                by_name[event.name] = by_name.get(event.name, 0.0) + event.duration_ns / 1e3 / calls
+                launches += 1
+    groups: dict[str, float] = {}
+    for name, us in by_name.items():
+        group = next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "XLA ops")
+        groups[group] = groups.get(group, 0.0) + us
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "kernel_us": round(sum(by_name.values()), 1),
+        "launches": launches // calls,
+        "groups_us": {g: round(us, 1) for g, us in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "top_kernels_us": {name[:80]: round(us, 1) for name, us in top},
+    }
+
+
+def profile(run: Callable[[], None]):
+    """A `jax.profiler.ProfileData` of what run() does (an XLA profiler trace in a temporary directory)."""
+    with tempfile.TemporaryDirectory() as log_dir:
+        jax.profiler.start_trace(log_dir)
+        try:
+            run()
+        finally:
+            jax.profiler.stop_trace()
+        (path,) = Path(log_dir).rglob("*.xplane.pb")
+        return jax.profiler.ProfileData.from_file(str(path))
+
+
+def _time_chain(fn, params, state, extra: tuple, reps: int, trials: int, warmup_s: float):
+    """Seconds per call of state, out = fn(params, state, *extra) chained (state donated): median over trials of
+    `reps` back-to-back calls, after `warmup_s` seconds of untimed calls (at least one: on the H200 the first timed
+    trials of a step ran up to 30% slow after a single warm-up call, KERNEL_NOTES). Returns (median, all trial
+    times, the GPU kernel times of 3 more calls under the XLA profiler (`kernel_times`; None off the GPU))."""
+    end = time.perf_counter() + warmup_s
+    while True:
+        state, out = fn(params, state, *extra)
+        jax.block_until_ready(out)
+        if time.perf_counter() >= end:
+            break
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            state, out = fn(params, state, *extra)
+        jax.block_until_ready((state, out))
+        times.append((time.perf_counter() - t0) / reps)
+    kernels = None
+    if jax.default_backend() == "gpu":
+
+        def three_calls():
+            nonlocal state, out
+            for _ in range(3):
+                state, out = fn(params, state, *extra)
+            jax.block_until_ready((state, out))
+
+        try:
+            kernels = kernel_times(profile(three_calls), 3)
+        except Exception as e:  # the profiler is an add-on (another tool may hold CUPTI): record why, keep the timing
+            kernels = {"error": _error_text(e)}
+    return statistics.median(times), times, kernels

@@ -1,0 +1,220 @@
+"""Sampling that speculation cannot change: position-keyed Gumbel noise (docs/design.md, rule 8).
+
+The token at absolute position t is
+
+    choose(logits, t) = argmax_v( processed(logits)[v] + g_t[v] ),   g_t = Gumbel(0, 1) from fold_in(key(seed), t)
+
+where `logits` is the float32 row that predicts position t and `processed` is HuggingFace's pipeline, in its order:
+repetition penalty (over the context up to t - 1), temperature, top-k, top-p, min-p (each a mask to -inf of what
+it removes). Gumbel-max makes choose an exact sample of softmax(processed). The noise depends on (seed, t) only, so
+a verify row for position t chooses what the decode step at t chooses: both run `choose_rows` on the full row tile
+(the same shapes, every processor row-local), and a draft token is accepted iff it equals that choice. Temperature
+0 is not sampling: the engine then takes the plain argmax path, bit for bit the greedy one.
+
+Static (part of the compiled identity, `SamplingMode`): which processors run. Runtime (`SamplerValues`, arrays of
+the request): their parameters and the seed, so a new seed or temperature compiles nothing.
+
+Exact thresholds without a sort: top-k keeps the logits >= the k-th largest (ties kept, as TopKLogitsWarper), top-p
+keeps the tokens whose probability mass strictly above theirs is < top_p (TopPLogitsWarper's set; a tie group at
+the cut is kept whole), each found by a 16-way search over the float32 bit patterns: `SEARCH_PASSES` fused
+reductions over the row, never a prefix of the vocabulary that might cut the nucleus.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec import checks
+
+SEARCH_WAYS = 16  # candidate thresholds per pass of the threshold search
+SEARCH_PASSES = 8  # each pass cuts the bracket to ceil(1/16) of itself: 2 ** 32 bit patterns -> one in 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingMode:
+    """Which processors run (static, hashable; from `Sampler.mode`)."""
+
+    top_k: bool = False
+    top_p: bool = False
+    min_p: bool = False
+    penalty: bool = False
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerValues:
+    """A request's sampling parameters as arrays (runtime values of the executables). key: uint32 [2] raw key data."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    penalty: jax.Array
+    key: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """Sample with HuggingFace's processors and position-keyed noise: the same seed gives the same tokens, with or
+    without a drafter, for every k. temperature 0: greedy (the plain argmax). top_k 0 / top_p 1 / min_p 0 /
+    repetition_penalty 1: that processor off. seed: an int in [0, 2**32)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        checks.real(self.temperature, "temperature", lo=0.0)
+        checks.integer(self.top_k, "top_k", lo=0)
+        checks.real(self.top_p, "top_p", lo=0.0, hi=1.0, open_lo=True)
+        checks.real(self.min_p, "min_p", lo=0.0, hi=1.0)
+        checks.real(self.repetition_penalty, "repetition_penalty", lo=0.0, open_lo=True)
+        checks.integer(self.seed, "seed", lo=0, hi=2**32 - 1)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def mode(self) -> SamplingMode | None:
+        """The static part (None: greedy)."""
+        if self.greedy:
+            return None
+        return SamplingMode(
+            top_k=self.top_k > 0, top_p=self.top_p < 1.0, min_p=self.min_p > 0.0, penalty=self.repetition_penalty != 1
+        )
+
+    def values(self) -> SamplerValues:
+        """The runtime part, as numpy arrays (one fixed structure for every Sampler of a mode)."""
+        return SamplerValues(
+            temperature=np.float32(self.temperature),
+            top_k=np.int32(min(self.top_k, 2**31 - 1)),
+            top_p=np.float32(self.top_p),
+            min_p=np.float32(self.min_p),
+            penalty=np.float32(self.repetition_penalty),
+            key=np.asarray(jax.random.key_data(jax.random.PRNGKey(self.seed)), np.uint32),
+        )
+
+
+# ------------------------------------------------------------------------------------------- the processors
+def _order_key(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 whose unsigned order is x's order (-inf lowest)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _from_order_key(u: jax.Array) -> jax.Array:
+    bits = jnp.where(u >> 31 == 1, u & jnp.uint32(0x7FFFFFFF), ~u)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _smallest_passing(x: jax.Array, passes, lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """Per row of x [R, V]: the smallest threshold (a float32 value, searched over its bit patterns in the order
+    key range (lo, hi]) for which passes(x, thresholds [R, J]) -> bool [R, J] holds, given it is monotone (false
+    ... true) and holds at hi. lo, hi: uint32 [R] order keys. SEARCH_PASSES fused reductions."""
+    ways = jnp.arange(1, SEARCH_WAYS, dtype=jnp.uint32)
+
+    def narrow(_, bounds):
+        lo, hi = bounds
+        span = hi - lo
+        step = jnp.maximum(span // SEARCH_WAYS + (span % SEARCH_WAYS != 0).astype(jnp.uint32), 1)  # ceil
+        cand = jnp.minimum(lo[:, None] + step[:, None] * ways[None, :], hi[:, None])  # [R, J-1], ascending
+        ok = passes(x, _from_order_key(cand))
+        # the first passing candidate bounds from above; the last failing one from below
+        first = jnp.argmax(ok, axis=1)
+        any_ok = jnp.any(ok, axis=1)
+        new_hi = jnp.where(any_ok, jnp.take_along_axis(cand, first[:, None], 1)[:, 0], hi)
+        last_fail = jnp.where(any_ok, first - 1, SEARCH_WAYS - 2)
+        new_lo = jnp.where(last_fail >= 0, jnp.take_along_axis(cand, jnp.maximum(last_fail, 0)[:, None], 1)[:, 0], lo)
+        return new_lo, new_hi
+
+    _, hi = jax.lax.fori_loop(0, SEARCH_PASSES, narrow, (lo, hi))
+    return _from_order_key(hi)
+
+
+def _top_k(z: jax.Array, k: jax.Array) -> jax.Array:
+    """z [R, V] with everything below the k-th largest (ties kept) set to -inf; k >= 1 (k >= V: nothing cut)."""
+    k = jnp.minimum(k, z.shape[1])
+
+    def fewer_than_k_above(x, t):  # count(x >= t) < k: true from just above the k-th largest value
+        return jnp.sum(x[:, :, None] >= t[:, None, :], axis=1) < k
+
+    top = _order_key(jnp.max(z, axis=1))
+    bottom = _order_key(jnp.min(z, axis=1))
+    above = _smallest_passing(z, fewer_than_k_above, bottom, top + 1)  # the next value above the k-th largest
+    kth = jnp.max(jnp.where(z < above[:, None], z, -jnp.inf), axis=1)  # the k-th largest itself
+    return jnp.where(z >= kth[:, None], z, -jnp.inf)
+
+
+def _softmax(z: jax.Array) -> jax.Array:
+    return jax.nn.softmax(z, axis=-1)
+
+
+def _top_p(z: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Keep the tokens whose probability mass strictly above theirs is < top_p (the most probable always)."""
+    p = _softmax(z)
+
+    def mass_above_is_small(x, t):  # sum(x > t) < top_p: true from the smallest kept probability on
+        return jnp.sum(jnp.where(x[:, :, None] > t[:, None, :], x[:, :, None], 0.0), axis=1) < top_p
+
+    top = _order_key(jnp.max(p, axis=1))
+    threshold = _smallest_passing(p, mass_above_is_small, _order_key(jnp.zeros_like(top, jnp.float32)), top)
+    return jnp.where(p >= threshold[:, None], z, -jnp.inf)
+
+
+def _min_p(z: jax.Array, min_p: jax.Array) -> jax.Array:
+    p = _softmax(z)
+    return jnp.where(p >= min_p * jnp.max(p, axis=1, keepdims=True), z, -jnp.inf)
+
+
+def _penalize(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> jax.Array:
+    """RepetitionPenaltyLogitsProcessor: a seen token's logit is divided by the penalty (multiplied if negative)."""
+    return jnp.where(seen, jnp.where(logits < 0, logits * penalty, logits / penalty), logits)
+
+
+def processed(logits: jax.Array, mode: SamplingMode, values: SamplerValues, seen: jax.Array | None = None):
+    """float32 logits [R, V] -> the processed logits [R, V] float32 (removed tokens -inf), HuggingFace's order:
+    repetition penalty (seen: bool [R, V], the tokens of each row's context), temperature, top-k, top-p, min-p."""
+    z = logits.astype(jnp.float32)
+    if mode.penalty:
+        z = _penalize(z, seen, values.penalty)
+    z = z / values.temperature
+    if mode.top_k:
+        z = jnp.where(values.top_k > 0, _top_k(z, jnp.maximum(values.top_k, 1)), z)
+    if mode.top_p:
+        z = _top_p(z, values.top_p)
+    if mode.min_p:
+        z = _min_p(z, values.min_p)
+    return z
+
+
+def gumbel_rows(values: SamplerValues, positions: jax.Array, vocab: int) -> jax.Array:
+    """float32 [R, vocab]: row r is the Gumbel noise of absolute position positions[r] (a function of the seed and
+    that position only)."""
+    key = jax.random.wrap_key_data(values.key)
+    return jax.vmap(lambda t: jax.random.gumbel(jax.random.fold_in(key, t), (vocab,), jnp.float32))(positions)
+
+
+def choose_rows(logits, positions, mode: SamplingMode, values: SamplerValues, seen=None) -> jax.Array:
+    """The chosen token (int32 [R]) of each row of logits [R, V]; positions int32 [R]: the absolute position each
+    row's token will take (the row's own position + 1)."""
+    z = processed(logits, mode, values, seen)
+    return jnp.argmax(z + gumbel_rows(values, positions, logits.shape[1]), axis=-1).astype(jnp.int32)
+
+
+def seen_rows(history: jax.Array, position, row_tokens: jax.Array, vocab: int) -> jax.Array:
+    """bool [R, vocab]: the tokens of row r's context, for a row tile at `position` (its row r at position + r):
+    history[0..position] (int32 [L]; history[position] is the pending token, row 0's input) and the tile's inputs
+    row_tokens[1..r]."""
+    real = jnp.arange(history.shape[0]) <= position
+    base = jnp.zeros((vocab,), bool).at[jnp.where(real, history, vocab)].set(True, mode="drop")
+    later = jax.nn.one_hot(row_tokens[1:], vocab, dtype=jnp.int32)  # row r adds inputs 1..r
+    added = jnp.concatenate([jnp.zeros((1, vocab), jnp.int32), jnp.cumsum(later, axis=0)]) > 0
+    return base[None, :] | added

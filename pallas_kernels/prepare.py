@@ -1,0 +1,123 @@
+"""One-time preparation of a params tree's int4 weights for a kernel backend, and the policy that decides it.
+
+"reference" (CPU): every Int4Weight becomes its `Int4Halves` (dequantized once: 2 or 4 bytes a weight instead of
+0.5, the same bits as dequantizing in every step). "pallas" (GPU) with bfloat16 activations: every symmetric one
+whose N fits the Mosaic GPU kernel becomes its `Int4Codes` (re-ordered for that kernel, K padded to 256).
+`resolve_prepare` is what `jspec.Engine(prepare=None)` does: prepare by default unless the copy would not fit, and
+then say so in a warning (the slower path is never taken silently).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.int4 import Int4Weight, dequantize_halves
+from pallas_kernels.int4_ws import fits, padded_k, prepare_codes
+from pallas_kernels.matmul import Int4Halves
+
+
+def _is_int4(w) -> bool:
+    return isinstance(w, Int4Weight)
+
+
+def _map_int4(fn, params):
+    """params with every Int4Weight w replaced by fn(w); every other leaf unchanged."""
+    return jax.tree.map(lambda w: fn(w) if _is_int4(w) else w, params, is_leaf=_is_int4)
+
+
+def prepare_reference(params, dtype):
+    """params with every Int4Weight replaced by its Int4Halves in `dtype` (the activation dtype), for the
+    reference backend: the row-tile and prefill products give the same bits, without dequantizing per call."""
+    return _map_int4(lambda w: Int4Halves(*dequantize_halves(w, dtype)), params)
+
+
+def prepare_ws(params):
+    """params with every symmetric Int4Weight whose N fits the Mosaic GPU kernel's 128-row tile replaced by its
+    Int4Codes (K padded to a multiple of the 256-k tile: e.g. GLM-4-9B's down, K = 13696). On the H200
+    that kernel beat the Triton row-tile kernel on every Qwen2.5-7B / 14B linear shape: 1.28-1.58x on gate_up,
+    down, lm_head (benchmarks/results/int4_matmul_h200.json) and 1.15-1.49x on qkv and o (same-process runs,
+    benchmarks/results/int4_qkv_o_h200.json)."""
+    return _map_int4(lambda w: prepare_codes(w) if _takes_ws(w) else w, params)
+
+
+def _takes_ws(w: Int4Weight) -> bool:
+    k, n = w.shape
+    return w.zeros is None and fits(padded_k(k), n)
+
+
+def ws_prep_nbytes(params) -> int:
+    """Device bytes `prepare_ws(params)` needs: a copy of the codes it converts, K padded (the caller keeps the
+    originals), plus the largest conversion's temporaries (~3 bytes a weight: unpacked, re-biased, re-packed)."""
+    taken = [w for w in jax.tree.leaves(params, is_leaf=_is_int4) if _is_int4(w) and _takes_ws(w)]
+    copies = sum(w.nbytes * padded_k(w.shape[0]) // w.shape[0] for w in taken)  # an Int4Weight's bytes scale with K
+    return copies + max((3 * padded_k(w.shape[0]) * w.shape[1] for w in taken), default=0)
+
+
+def prepared_nbytes(params, dtype) -> int:
+    """Bytes the Int4Halves of `prepare_reference(params, dtype)` take (the int4 weights' extra memory)."""
+    leaves = jax.tree.leaves(params, is_leaf=_is_int4)
+    return sum(w.shape[0] * w.shape[1] * jnp.dtype(dtype).itemsize for w in leaves if _is_int4(w))
+
+
+def reference_prep_fits(params, dtype, fraction: float = 0.25) -> bool:
+    """Whether the prepared halves take at most `fraction` of this machine's physical memory."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return prepared_nbytes(params, dtype) <= fraction * physical
+
+
+def prepares_by_default(backend: str, dtype: str) -> bool:
+    """Whether Engine(prepare=None) prepares the int4 weights: on the reference backend, and on the GPU ("pallas")
+    with bfloat16 activations, where the Mosaic GPU kernel (`prepare_ws`) is the faster one."""
+    return backend == "reference" or (backend == "pallas" and dtype == "bfloat16")
+
+
+def resolve_prepare(prepare: bool | None, params, dtype: str, backend: str) -> bool:
+    """Engine's `prepare` argument -> whether to prepare. None: `prepares_by_default`, declined with a warning when
+    the prepared copy would not fit (`prep_shortfall`)."""
+    if prepare is not None:
+        return bool(prepare)
+    if not prepares_by_default(backend, dtype):
+        return False
+    short = prep_shortfall(params, dtype, backend)
+    if short:
+        warnings.warn(f"{short}; pass prepare=True to use it anyway or prepare=False to silence this", stacklevel=3)
+    return not short
+
+
+def prep_shortfall(params, dtype: str, backend: str) -> str | None:
+    """Why the default preparation would not fit in memory (None: it fits or cannot be checked)."""
+    if backend == "reference" and not reference_prep_fits(params, dtype):
+        need = prepared_nbytes(params, dtype) / 2**30
+        return (
+            f"int4 weights are dequantized in every step (slower): their prepared copy ({need:.1f} GiB) would take "
+            "over a quarter of this machine's memory"
+        )
+    free = device_free_bytes() if backend == "pallas" else None
+    if free is None:
+        return None
+    need = ws_prep_nbytes(params)
+    if need <= free:
+        return None
+    return (
+        f"the int4 weights stay on the Triton kernel (slower): preparing them for the Mosaic GPU kernel "
+        f"needs {need / 2**30:.1f} GiB of device memory, {free / 2**30:.1f} GiB is free"
+    )
+
+
+def device_free_bytes() -> int | None:
+    """Free bytes of the default device's allocator (None where it reports no statistics)."""
+    stats = jax.devices()[0].memory_stats()
+    return stats["bytes_limit"] - stats["bytes_in_use"] if stats and "bytes_limit" in stats else None
+
+
+def prepare_params(params, dtype: str, backend: str):
+    """The one-time int4 preparation for a kernel backend (see Engine's `prepare`)."""
+    if backend == "reference":
+        return prepare_reference(params, dtype)
+    if backend == "pallas" and dtype == "bfloat16":
+        return prepare_ws(params)
+    raise ValueError(f"prepare=True: no int4 preparation for the {backend!r} kernel backend with {dtype} activations")

@@ -1,0 +1,299 @@
+"""Bad input and reuse, by class (docs/api.md, "Errors"): every case is refused before compute with a message that
+names it, an Engine reused across requests never crashes on their shapes, and nothing that ran before is lost."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import checkpoints
+import jspec
+from jspec import cli, memory
+from jspec.stats import SpecStats
+from tests.conftest import build_tiny_hf_model
+from tests.tiny import tiny_config, tiny_params
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_LEN = 48
+
+
+@pytest.fixture(scope="module")
+def engine():
+    cfg = tiny_config("qwen2", eos_token_ids=(7,))
+    return jspec.Engine(tiny_params(cfg, seed=2), cfg, max_len=MAX_LEN, k=3, prefill_chunk=16)
+
+
+# --------------------------------------------------------------------------------- reuse: executables by shape
+def test_one_engine_serves_any_eos_ids_with_the_same_executables(engine):
+    """EOS ids of any count and type share one fixed-shape array; None means the model's own (cfg.eos_token_ids),
+    () none at all."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    free = engine.generate(prompt, 30, eos_id=()).tokens
+    compiles = engine.num_compiles
+    for eos in ([free[4], 3], None, np.int64(free[2]), (), [free[6]], free[1]):
+        out = engine.generate(prompt, 30, eos_id=eos)
+        ids = engine.cfg.eos_token_ids if eos is None else np.atleast_1d(eos).tolist()
+        stop = next((i for i, t in enumerate(free) if t in ids), None)
+        assert out.tokens == (free if stop is None else free[: stop + 1])
+    assert engine.num_compiles == compiles
+
+
+# ------------------------------------------------------------------------------ refused, not coerced or deep
+def _gen(engine, **overrides):
+    kwargs = dict(prompt_ids=[1, 2, 3], max_new_tokens=4)
+    kwargs.update(overrides)
+    return engine.generate(**kwargs)
+
+
+REFUSED = {
+    "2-D prompt": (dict(prompt_ids=[[1, 2], [3, 4]]), ValueError, "one 1-D sequence"),
+    "text prompt": (dict(prompt_ids="def f():"), TypeError, "got text"),
+    "float ids": (dict(prompt_ids=[1.0, 2.5]), TypeError, "integer token ids"),
+    "bool ids": (dict(prompt_ids=[True, False]), TypeError, "integer token ids"),
+    "id past the vocabulary": (dict(prompt_ids=[1, 96]), ValueError, "token id 96 at index 1"),
+    "float max_new_tokens": (dict(max_new_tokens=2.5), TypeError, "max_new_tokens must be an integer"),
+    "bool max_new_tokens": (dict(max_new_tokens=True), TypeError, "max_new_tokens must be an integer"),
+    "string max_new_tokens": (dict(max_new_tokens="4"), TypeError, "max_new_tokens must be an integer"),
+    "zero max_new_tokens": (dict(max_new_tokens=0), ValueError, "max_new_tokens must be >= 1"),
+    "string drafter": (dict(drafter="prompt-lookup"), TypeError, "drafter must be a Drafter"),
+    "drafter class": (dict(drafter=jspec.PromptLookup), TypeError, "drafter must be a Drafter"),
+    "string gate": (dict(gate="on"), TypeError, "gate must be a jspec.HitDensityGate"),
+    "float eos": (dict(eos_id=2.5), TypeError, "eos_id must be an integer"),
+    "negative eos": (dict(eos_id=-1), ValueError, "eos_id must be >= 0"),
+    "eos past the vocabulary": (dict(eos_id=[3, 96]), ValueError, "eos_id must be <= 95"),
+    "too many eos ids": (dict(eos_id=list(range(9))), ValueError, "at most 8 EOS ids"),
+    "float rounds_per_call": (dict(rounds_per_call=1.5), TypeError, "rounds_per_call must be an integer"),
+    "string on_device": (dict(on_device="yes"), TypeError, "on_device must be True or False"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_generate_refuses_what_it_would_coerce(engine, case):
+    overrides, error, message = REFUSED[case]
+    compiles = engine.num_compiles
+    with pytest.raises(error, match=message):
+        _gen(engine, **overrides)
+    assert engine.num_compiles == compiles
+
+
+CONSTRUCTORS = {
+    "Engine k float": (lambda p, c: jspec.Engine(p, c, max_len=32, k=2.5), TypeError, "k must be an integer"),
+    "Engine max_len float": (lambda p, c: jspec.Engine(p, c, max_len=32.0), TypeError, "max_len must be an integer"),
+    "Engine chunk 0": (lambda p, c: jspec.Engine(p, c, max_len=32, prefill_chunk=0), ValueError, "prefill_chunk"),
+    "Engine dtype": (lambda p, c: jspec.Engine(p, c, max_len=32, dtype="float16"), ValueError, "float32 or bf"),
+    "Engine params": (lambda p, c: jspec.Engine([p], c, max_len=32), TypeError, "params must be the dict"),
+    "Engine cfg": (lambda p, c: jspec.Engine(p, c.to_dict(), max_len=32), TypeError, "cfg must be a jspec.Model"),
+    "Engine prepare": (lambda p, c: jspec.Engine(p, c, max_len=32, prepare="yes"), TypeError, "prepare must be"),
+    "PromptLookup float": (lambda p, c: jspec.PromptLookup(ngram_max=2.5), TypeError, "ngram_max must be an int"),
+    "MTPDrafter k": (lambda p, c: jspec.MTPDrafter(k=3.0), TypeError, "MTPDrafter k must be an integer"),
+    "gate window": (lambda p, c: jspec.HitDensityGate(window="8"), TypeError, "window must be an integer"),
+    "TieGuard eps": (lambda p, c: jspec.TieGuard(eps="small"), TypeError, "TieGuard eps must be a number"),
+    "TieGuard nan": (lambda p, c: jspec.TieGuard(eps=float("nan")), ValueError, "TieGuard eps must be finite"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONSTRUCTORS))
+def test_constructors_refuse_what_they_would_coerce(engine, case):
+    make, error, message = CONSTRUCTORS[case]
+    with pytest.raises(error, match=message):
+        make(engine.params, engine.cfg)
+
+
+# --------------------------------------------------------------------------- inside jit: an error code instead
+def _on_device(engine):
+    settings = engine.settings(jspec.PromptLookup())
+    return jax.jit(lambda p, x, n, m: jspec.generate_on_device(p, engine.cfg, x, n, m, settings, ()))
+
+
+ON_DEVICE = {  # prompt (padded to 12), prompt_len, max_new -> the rule broken
+    "length 0": ([1, 2, 3], 0, 4, "prompt_len must be in 1..len"),
+    "length past the array": ([1, 2, 3], 13, 4, "prompt_len must be in 1..len"),
+    "max_new 0": ([1, 2, 3], 3, 0, "max_new_tokens must be >= 1"),
+    "past the cache": ([1, 2, 3], 3, MAX_LEN, r"prompt_len \+ max_new_tokens must be <= max_len \+ 1"),
+    "id past the vocabulary": ([1, 200, 3], 3, 4, "every prompt token id must be in"),
+    "negative id": ([-4, 2, 3], 3, 4, "every prompt token id must be in"),
+}
+
+
+@pytest.mark.parametrize("case", list(ON_DEVICE))
+def test_generate_on_device_returns_an_error_code_the_host_raises_on(engine, case):
+    tokens, length, max_new, message = ON_DEVICE[case]
+    padded = jnp.zeros((12,), jnp.int32).at[: len(tokens)].set(jnp.asarray(tokens))
+    out = jax.device_get(_on_device(engine)(engine.params, padded, length, max_new))
+    assert int(out.error) != 0 and int(out.num_tokens) == 0
+    with pytest.raises(ValueError, match=message):
+        out.raise_if_error()
+
+
+def test_generate_on_device_valid_request_has_no_error(engine):
+    prompt = [3, 1, 4, 1, 5]
+    padded = jnp.zeros((12,), jnp.int32).at[:5].set(jnp.asarray(prompt))
+    out = jax.device_get(_on_device(engine)(engine.params, padded, 5, 9)).raise_if_error()
+    assert list(out.tokens[: int(out.num_tokens)]) == engine.generate(prompt, 9, eos_id=()).tokens
+    with pytest.raises(TypeError, match="prompt must be a 1-D integer array"):
+        _on_device(engine)(engine.params, padded.astype(jnp.float32), 5, 9)
+
+
+# ------------------------------------------------------------------------------- memory planned before use
+def test_an_engine_that_does_not_fit_raises_with_the_numbers(engine, monkeypatch):
+    monkeypatch.setattr(memory, "free_bytes", lambda: (64 << 20, "free in this test"))
+    with pytest.raises(memory.MemoryBudgetError, match=r"Engine\(max_len=1000000, float32\) needs .* GiB.*KV cache"):
+        jspec.Engine(engine.params, engine.cfg, max_len=1_000_000)
+    jspec.Engine(engine.params, engine.cfg, max_len=1_000)  # a small one still fits
+
+
+# ---------------------------------------------------------------------------------- checkpoints and loading
+@pytest.mark.parametrize("quantize", [None, "int4"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_at_load_naming_the_tensor(tmp_path, quantize, bad):
+    from safetensors.numpy import load_file, save_file
+
+    build_tiny_hf_model("qwen2", tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name][3, 5] = bad
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(checkpoints.CheckpointError, match=rf"tensor '{name}' .* 1 non-finite value"):
+        jspec.load_hf(tmp_path, quantize=quantize)
+
+
+@pytest.fixture(scope="module")
+def broken_checkpoints(tmp_path_factory):
+    """Copies of the demo checkpoint, each broken one way: (dir, the message expected)."""
+    root = tmp_path_factory.mktemp("broken")
+    cases = {}
+    for how in ("deleted", "truncated", "reshaped"):
+        d = root / how
+        shutil.copytree(checkpoints.demo_dir(), d)
+        data = max((d / "params" / "ocdbt.process_0" / "d").iterdir(), key=lambda f: f.stat().st_size)
+        if how == "deleted":
+            data.unlink()
+        elif how == "truncated":
+            os.truncate(data, 1000)
+        else:
+            meta = json.loads((d / "jspec.json").read_text())
+            meta["tree"]["dict"]["embed"]["shape"] = [3, 8192, 512]
+            (d / "jspec.json").write_text(json.dumps(meta))
+        cases[how] = d
+    return cases
+
+
+@pytest.mark.parametrize("how", ["deleted", "truncated", "reshaped"])
+def test_a_broken_jspec_checkpoint_names_the_array(broken_checkpoints, how):
+    message = "says array 'params.embed' is float32" if how == "reshaped" else "cannot read array 'params.embed'"
+    with pytest.raises(checkpoints.CheckpointError, match=message):
+        checkpoints.load(broken_checkpoints[how])
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+@pytest.fixture(scope="module")
+def bad_dirs(tmp_path_factory, broken_checkpoints):
+    root = tmp_path_factory.mktemp("cli")
+    config = dict(model_type="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                  num_attention_heads=4)  # fmt: skip
+    dirs = {}
+    for name, files in {
+        "config_only": {},
+        "pickle_only": {"pytorch_model.bin": b""},
+        "missing_shard": {"model.safetensors.index.json": b'{"weight_map": {"a": "model-00001.safetensors"}}'},
+    }.items():
+        d = root / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config))
+        for file, data in files.items():
+            (d / file).write_bytes(data)
+        dirs[name] = d
+    build_tiny_hf_model("qwen2", root / "no_mtp")
+    dirs["no_mtp"] = root / "no_mtp"
+    (root / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (root / "full").mkdir()
+    (root / "full" / "x").write_text("")
+    dirs.update(root=root, truncated=broken_checkpoints["truncated"])
+    return dirs
+
+
+CLI_CASES = {
+    "max-new-tokens 0": (["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1, got 0"),
+    "max-new-tokens -5": (["--max-new-tokens", "-5"], "--max-new-tokens: must be >= 1, got -5"),
+    "k 0": (["--k", "0"], "--k: must be in 1..15, got 0"),
+    "k 16": (["--k", "16"], "--k: must be in 1..15, got 16"),
+    "k -1": (["--k", "-1"], "--k: must be in 1..15, got -1"),
+    "k text": (["--k", "three"], "--k: expected an integer, got 'three'"),
+    "two prompts": (["--prompt-file", "x.txt"], "--prompt-file: not allowed with argument --prompt"),
+    "max-len too short": (["--max-len", "8"], "exceeds --max-len 8"),
+    "huge request": (["--max-new-tokens", "100000000000"], "needs .* GiB"),
+    "mtp without a head": (["--checkpoint", "{no_mtp}", "--drafter", "mtp"], "needs a checkpoint with an MTP head"),
+    "config only": (["--checkpoint", "{config_only}"], "no model.safetensors or model.safetensors.index.json"),
+    "pickle only": (["--checkpoint", "{pickle_only}"], "only pickle weights"),
+    "missing shard": (["--checkpoint", "{missing_shard}"], "model-00001.safetensors listed in .* does not exist"),
+    "not a checkpoint": (["--checkpoint", "{root}"], "neither jspec.json .* nor config.json"),
+    "broken jspec checkpoint": (["--checkpoint", "{truncated}"], "cannot read array 'params.embed'"),
+    "quantize a jspec checkpoint": (["--quantize", "int4"], "apply to HuggingFace checkpoints"),
+}
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_cli_user_errors_are_one_line_with_status_2(bad_dirs, capsys, case):
+    extra, message = CLI_CASES[case]
+    argv = ["generate", "--prompt", "def f():", *[a.format(**bad_dirs) for a in extra]]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("jspec generate: error: ")
+    assert re.search(message, err), err
+
+
+def test_cli_prompt_file_errors_name_the_file(bad_dirs, capsys):
+    for name, message in (("latin1.txt", "not UTF-8 text"), ("nope.txt", "No such file")):
+        path = bad_dirs["root"] / name
+        assert cli.main(["generate", "--prompt-file", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert str(path) in err and message in err and err.count("\n") == 1
+
+
+def test_cli_convert_checks_the_target_first(bad_dirs, capsys):
+    assert cli.main(["convert", str(bad_dirs["config_only"]), str(bad_dirs["root"] / "full")]) == 2
+    assert "exists and is not an empty directory" in capsys.readouterr().err
+
+
+def test_cli_compare_greedy_times_warmed_runs(capsys):
+    argv = ["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "12", "--compare-greedy", "--json"]
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["greedy_identical"] and out["warmup_s_with_compile"] > 0 and out["speedup_vs_greedy"] > 0
+    assert "first_call_s_with_compile" not in out  # the timed runs exclude compilation
+
+
+def test_on_device_stats_print_no_zeros():
+    stats = dataclasses.replace(SpecStats(), loop="device", new_tokens=4, wall_time_s=0.5, decode_steps=3)
+    text = stats.summary()
+    assert "on device" in text and "prefill 0.000" not in text and "(0.000 s)" not in text
+
+
+# ------------------------------------------------------------------------------- names reachable via jspec
+def test_jspec_reaches_exactness_and_checkpoints():
+    assert callable(jspec.exactness.verify_rows_match_decode)
+    assert jspec.load_hf.__module__ == jspec.save.__module__ == "jspec.model"
+
+
+def test_a_checkpoints_folder_in_the_working_directory_does_not_shadow(tmp_path):
+    (tmp_path / "checkpoints").mkdir()  # a data folder, as ML projects have
+    script = "import jspec, checkpoints; assert callable(checkpoints.load_hf); print(len(jspec.load().params))"
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},  # jspec as installed (editable: the case that shadowed)
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
