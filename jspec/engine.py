@@ -1,9 +1,10 @@
 """Engine: owns the compiled executables of a model and drives generation.
 
-Host loop (default): per (drafter, gate, tie_guard) setting one executable per loop stage, each compiled ahead of
-time once, whatever the prompt: start (a fresh state holding the prompt, padded to max_len), prefill chunks (up to
-N chunks of `prefill_chunk` positions per call), the first round, decode rounds (decode_step, M=1) and verify
-rounds (verify_step, M=k+1). The loop state is donated, so the KV cache is updated in place.
+Host loop (default): per (drafter, gate, tie_guard, sampler mode) setting one executable per loop stage, each
+compiled ahead of time once, whatever the prompt: start (a fresh state holding the prompt, padded to max_len),
+prefill chunks (up to N chunks of one shape per call; one executable per chunk shape), the first round, decode
+rounds (decode_step, M=1) and verify rounds (verify_step, M=k+1). The loop state is donated, so the KV cache is
+updated in place.
 On-device loop (`on_device=True`): prefill and the whole loop in one executable
 (`jspec.loop.generate_on_device`), with the same rounds and therefore the same tokens.
 """
@@ -36,7 +37,7 @@ from jspec.loop import (
 from jspec.memory import check_fits, tree_bytes
 from jspec.sampling import Sampler
 from jspec.stats import STOP_REASONS, SpecStats
-from jspec.steps import PREFILL_CHUNK
+from jspec.steps import PREFILL_CHUNK, chunk_sizes, tail_size
 from pallas_kernels import ROW_TILE, get_backend
 from pallas_kernels.prepare import prepare_params, prepared_nbytes, resolve_prepare, ws_prep_nbytes
 
@@ -84,9 +85,10 @@ class Engine:
       both of those unless the copy would not fit (`pallas_kernels.prepare.resolve_prepare`: over a quarter of
       physical memory for the reference halves, more than the device's free memory for the codes): then a warning
       says so and the weights stay as they are. `self.prepared` records the choice.
-    prefill_chunk: prompt positions per prefill chunk, one static shape for every prompt (None:
-      `default_prefill_chunk(max_len)`). A prompt of T tokens runs ceil(T / prefill_chunk) chunks; only the last
-      is padded. Prefill memory is the chunk's activations plus the cache, whatever T.
+    prefill_chunk: the largest prefill chunk (positions; None: `default_prefill_chunk(max_len)`). A prompt of T
+      tokens runs T // prefill_chunk chunks of it, then its rest in the smallest of `jspec.steps.chunk_sizes` that
+      holds it (prefill_chunk and its halves, 5 shapes at most): one executable per shape, the tail the only padding.
+      Prefill memory is the chunk's activations plus the cache, whatever T.
 
     Construction checks every argument and what a generation will allocate (`jspec.memory`: the loop state and a
     prefill chunk's activations against the free memory), before allocating or compiling anything.
@@ -224,8 +226,8 @@ class Engine:
             )
 
         def run(params, loop, n):
-            if kind == "prefill":
-                return prefill_rounds(params, self.cfg, settings, loop, n)
+            if kind.startswith("prefill"):  # "prefill<size>": chunks of one shape
+                return prefill_rounds(params, self.cfg, settings, loop, n, int(kind.removeprefix("prefill")))
             return run_rounds(params, self.cfg, settings, loop, n, verify=kind == "verify")
 
         return self._compile((kind, settings), run, self.params, loop_shape, counted, donate=(1,))
@@ -345,22 +347,22 @@ class Engine:
     def _host_loop(self, settings, args, stats: SpecStats, progress: bool, rounds_per_call: int, emit: bool):
         start_exec = self._start_exec(settings)
         loop_shape = start_exec.out_info
-        prefill_exec = self._loop_exec("prefill", settings, loop_shape)
+        prompt_len = int(args[2])
+        plan = prefill_plan(prompt_len, settings.prefill_chunk)
+        prefill_execs = {size: self._loop_exec(f"prefill{size}", settings, loop_shape) for size, _ in plan}
         first_exec = self._loop_exec("first", settings, loop_shape)
         decode_exec = self._loop_exec("decode", settings, loop_shape)
         verify_exec = self._loop_exec("verify", settings, loop_shape) if settings.drafter is not None else None
-        prompt_len = int(args[2])
-        chunks = -(-prompt_len // settings.prefill_chunk)
         start = time.perf_counter()
         loop = start_exec(*args)
-        if progress and chunks > 1:  # one chunk per call, so the bar moves
-            bar = _progress_bar(prompt_len, "prefill", "tok")
-            for _ in range(chunks):
-                loop = prefill_exec(self.params, loop, np.int32(1))
-                bar.update(int(jax.device_get(loop.prefilled)) - bar.n)
+        bar = _progress_bar(prompt_len, "prefill", "tok") if progress and sum(n for _, n in plan) > 1 else None
+        for size, count in plan:
+            for n in [1] * count if bar else [count]:  # with a bar: one chunk per call, so the bar moves
+                loop = prefill_execs[size](self.params, loop, np.int32(n))
+                if bar is not None:
+                    bar.update(int(jax.device_get(loop.prefilled)) - bar.n)
+        if bar is not None:
             bar.close()
-        else:
-            loop = prefill_exec(self.params, loop, np.int32(chunks))
         loop = first_exec(self.params, loop)
         bar = _progress_bar(int(args[3]), "generating", "tok") if progress else None
         use_verify, stop, n_out = jax.device_get((loop.use_verify, loop.stop, loop.n_out))
@@ -421,6 +423,14 @@ def prefill_chunk_bytes(cfg: ModelConfig, chunk: int, dtype: str) -> int:
     width = max(2 * cfg.intermediate_size, cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
     rows = chunk * width * (2 * jnp.dtype(dtype).itemsize + 4)
     return int(rows + cfg.num_heads * chunk * 256 * 4 * 2)
+
+
+def prefill_plan(length: int, chunk: int) -> list[tuple[int, int]]:
+    """[(chunk shape, how many)] of a prompt of `length` tokens: full chunks of `chunk`, then the rest in the
+    smallest shape of `chunk_sizes(chunk)` that holds it (`jspec.steps.run_chunks`, the same on device)."""
+    full, rest = divmod(length, chunk)
+    plan = [(chunk, full)] if full else []
+    return plan + [(tail_size(chunk_sizes(chunk), rest), 1)] if rest else plan
 
 
 def default_prefill_chunk(max_len: int) -> int:

@@ -30,6 +30,7 @@ from jspec.steps import (
     decode_tile,
     finish_prefill,
     prefill_chunk,
+    run_chunks,
     verify_step,
     verify_tile,
     write_prompt,
@@ -44,7 +45,8 @@ MAX_EOS_IDS = 8  # the fixed length of a request's EOS id array
 class LoopSettings:
     """Static (hashable) settings of a generation loop; part of every compiled round's identity.
 
-    prefill_chunk: prompt positions per prefill chunk (every chunk runs at this one shape; the last is padded).
+    prefill_chunk: the largest prefill chunk (positions); a prompt runs full chunks of it, then its rest in the
+      smallest shape of `jspec.steps.chunk_sizes(prefill_chunk)` that holds it (the only padding).
     """
 
     max_len: int
@@ -168,20 +170,32 @@ def start_loop(
     )
 
 
-def prefill_rounds(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop, max_chunks) -> Loop:
-    """Up to max_chunks (int32 []) prompt chunks of settings.prefill_chunk positions (`jspec.steps.prefill_chunk`),
-    each followed by the drafter's `prefill` over the chunk's hidden rows; stops when the prompt is in the cache."""
-    size = settings.prefill_chunk
+def _drafter_prefill(params, cfg: ModelConfig, settings: LoopSettings):
+    """after(loop, hidden, start, n_valid) for a chunk loop: the drafter's own prefill over the chunk's rows."""
+
+    def after(lp: Loop, hidden, start, n_valid) -> Loop:
+        if settings.drafter is None:
+            return lp
+        mine = settings.drafter.prefill(params, cfg, lp.state, hidden, start, n_valid, lp.prompt_len)
+        return dataclasses.replace(lp, state=dataclasses.replace(lp.state, drafter=mine))
+
+    return after
+
+
+def prefill_rounds(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop, max_chunks, size: int) -> Loop:
+    """Up to max_chunks (int32 []) prompt chunks of `size` positions (static: one of
+    `chunk_sizes(settings.prefill_chunk)`; `jspec.steps.prefill_chunk`), each followed by the drafter's `prefill`
+    over the chunk's hidden rows; stops when the prompt is in the cache."""
+
+    after = _drafter_prefill(params, cfg, settings)
 
     def body(carry):
         lp, i = carry
         start = lp.prefilled
         n_valid = jnp.minimum(lp.prompt_len - start, size)
         state, hidden = prefill_chunk(params, cfg, lp.state, start, n_valid, size)
-        if settings.drafter is not None:
-            mine = settings.drafter.prefill(params, cfg, state, hidden, start, n_valid, lp.prompt_len)
-            state = dataclasses.replace(state, drafter=mine)
-        return dataclasses.replace(lp, state=state, prefilled=start + n_valid), i + 1
+        lp = after(dataclasses.replace(lp, state=state), hidden, start, n_valid)
+        return dataclasses.replace(lp, prefilled=start + n_valid), i + 1
 
     def more(carry):
         lp, i = carry
@@ -212,10 +226,21 @@ def first_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Lo
 def prefill_round(
     params: dict, cfg: ModelConfig, settings: LoopSettings, prompt: jax.Array, length, max_new, eos_ids, sampler=None
 ) -> Loop:
-    """The whole prefill on device: `start_loop`, every chunk, `first_round` -> the Loop the rounds continue."""
+    """The whole prefill on device: `start_loop`, every chunk (`jspec.steps.run_chunks`: full chunks, then the rest
+    in the smallest shape that holds it), `first_round` -> the Loop the rounds continue."""
     loop = start_loop(params, cfg, settings, prompt, length, max_new, eos_ids, sampler)
-    loop = prefill_rounds(params, cfg, settings, loop, jnp.iinfo(jnp.int32).max)
-    return first_round(params, cfg, settings, loop)
+    loop, end = run_chunks(
+        params,
+        cfg,
+        loop,
+        loop.prefilled,
+        loop.prompt_len,
+        settings.prefill_chunk,
+        _drafter_prefill(params, cfg, settings),
+        state_of=lambda lp: lp.state,
+        put=lambda lp, st: dataclasses.replace(lp, state=st),
+    )
+    return first_round(params, cfg, settings, dataclasses.replace(loop, prefilled=end))
 
 
 def _sample_tile(settings: LoopSettings, loop: Loop, tile: jax.Array, row_tokens: jax.Array) -> jax.Array:

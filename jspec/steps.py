@@ -20,10 +20,28 @@ from jspec.models.layers import logits as logits_from_hidden
 from jspec.state import DecodeState
 from pallas_kernels import ROW_TILE
 
-# Default prompt chunk: rows per prefill executable call. Large enough that the chunk's matmuls run at the GEMM's
-# speed rather than the weights' read speed, small enough that a short prompt pays little padding; see
-# `jspec.engine.default_prefill_chunk` for what an Engine picks.
-PREFILL_CHUNK = 512
+# The largest prefill chunk (positions). Every chunk dequantizes all the int4 weights once more, ~9 ms a chunk at the
+# Llama-3-8B shape on the H200, so long chunks pay: an 8192-token prompt took 430 / 355 / 319 ms in chunks of
+# 512 / 1024 / 2048 (benchmarks/results/bench_prefill_sampling_h200.json, chunk_sweep). Shorter prompts and a
+# prompt's tail run in the smaller shapes of `chunk_sizes`, so a short prompt pays no 2048-row chunk.
+PREFILL_CHUNK = 2048
+CHUNK_SHAPES = 5  # at most: chunk, chunk / 2, ..., chunk / 16
+SMALLEST_CHUNK = 16
+
+
+def chunk_sizes(chunk: int) -> tuple[int, ...]:
+    """The chunk shapes of a prefill whose largest chunk is `chunk`, largest first: chunk and its halves, at most
+    CHUNK_SHAPES of them, none below SMALLEST_CHUNK (2048: 2048, 1024, 512, 256, 128). A prompt's tail pads to at
+    most twice its length (or 128). One executable per shape the host loop uses; all of them in the on-device one."""
+    sizes = [chunk]
+    while len(sizes) < CHUNK_SHAPES and sizes[-1] // 2 >= SMALLEST_CHUNK:
+        sizes.append(sizes[-1] // 2)
+    return tuple(sizes)
+
+
+def tail_size(sizes: tuple[int, ...], remaining: int) -> int:
+    """The smallest chunk shape that holds `remaining` (1 .. sizes[0]) positions."""
+    return min(s for s in sizes if s >= remaining)
 
 
 def prefill_chunk(params: dict, cfg: ModelConfig, state: DecodeState, start, n_valid, size: int):
@@ -60,18 +78,43 @@ def write_prompt(state: DecodeState, prompt: jax.Array) -> DecodeState:
 
 
 def prefill(params: dict, cfg: ModelConfig, state: DecodeState, prompt: jax.Array, length, chunk: int = PREFILL_CHUNK):
-    """Run a whole prompt, chunk by chunk (`prefill_chunk`, `lax.while_loop` over ceil(length / chunk) chunks of
-    one shape), and set the first generated token pending. prompt int32 [P] padded (P <= max_len), length int32 []
-    the true prompt length (1..P). Returns (state, float32 logits [V] at position length - 1)."""
+    """Run a whole prompt in chunks (`prefill_chunk`): length // chunk chunks of `chunk` positions (a
+    `lax.while_loop`), the rest as one chunk of the smallest of `chunk_sizes(chunk)` that holds it; then set the
+    first generated token pending. prompt int32 [P] padded (P <= max_len), length int32 [] the true prompt length
+    (1..P). Returns (state, float32 logits [V] at position length - 1)."""
     state = write_prompt(state, prompt)
-
-    def body(carry):
-        st, start = carry
-        st, _ = prefill_chunk(params, cfg, st, start, jnp.minimum(length - start, chunk), chunk)
-        return st, start + chunk
-
-    state, _ = jax.lax.while_loop(lambda c: c[1] < length, body, (state, jnp.zeros((), jnp.int32)))
+    state, _ = run_chunks(params, cfg, state, jnp.zeros((), jnp.int32), length, chunk, lambda st, *_: st)
     return finish_prefill(params, cfg, state, length)
+
+
+def run_chunks(params: dict, cfg: ModelConfig, carry, start, length, chunk: int, after, state_of=None, put=None):
+    """The chunk loop of a prefill on device: from position `start` to `length` (int32 []), full chunks of `chunk`
+    positions, then the rest in the smallest shape of `chunk_sizes(chunk)` that holds it (a `lax.switch`).
+
+    carry: a DecodeState, or (with state_of / put) a pytree holding one; after(carry, hidden, start, n_valid) ->
+    carry runs after every chunk (the drafter's prefill). Returns (carry, end position)."""
+    state_of = state_of or (lambda c: c)
+    put = put or (lambda c, st: st)
+    sizes = chunk_sizes(chunk)
+
+    def step(size):
+        def run(cs):
+            c, start = cs
+            n_valid = jnp.minimum(length - start, size)
+            st, hidden = prefill_chunk(params, cfg, state_of(c), start, n_valid, size)
+            return after(put(c, st), hidden, start, n_valid), start + n_valid
+
+        return run
+
+    def tail(size):  # the rest, if any, as one chunk of `size`
+        return lambda cs: jax.lax.cond(cs[1] < length, step(size), lambda c: c, cs)
+
+    carry, start = jax.lax.while_loop(
+        lambda cs: length - cs[1] >= chunk, step(chunk), (carry, jnp.asarray(start, jnp.int32))
+    )
+    index = jnp.sum(jnp.asarray(sizes) >= length - start) - 1  # sizes descend: the last that holds the rest
+    branches = [tail(size) for size in sizes]
+    return jax.lax.switch(jnp.clip(index, 0, len(sizes) - 1), branches, (carry, start))
 
 
 def _tile_step(params: dict, cfg: ModelConfig, state: DecodeState, row_tokens: jax.Array, rows: int):

@@ -33,6 +33,8 @@ from pallas_kernels import backend as _backend
 
 REFERENCE_BLOCK_K = 256  # keys per step of the jnp path (a divisor of the cache's 256-position granularity)
 KERNEL_TILES = {  # head_dim -> (block_q, block_k, num_warps, num_stages) of the kernel on the GPU
+    16: (64, 64, 4, 2),
+    32: (64, 64, 4, 2),
     64: (128, 64, 4, 3),
     128: (128, 64, 8, 3),
     256: (64, 32, 8, 2),
