@@ -117,9 +117,11 @@ def _from_order_key(u: jax.Array) -> jax.Array:
 
 def _smallest_passing(x: jax.Array, passes, lo: jax.Array, hi: jax.Array) -> jax.Array:
     """Per row of x [R, V]: the smallest threshold (a float32 value, searched over its bit patterns in the order
-    key range (lo, hi]) for which passes(x, t [R]) -> bool [R] holds, given it is monotone (false ... true) and
-    holds at hi. lo, hi: uint32 [R] order keys. Each of the SEARCH_PASSES passes evaluates SEARCH_WAYS - 1
-    thresholds: that many row reductions of x, which XLA fuses into one pass over it."""
+    key range (lo, hi]) for which passes(x, thresholds [R, J]) -> bool [R, J] holds, given it is monotone (false
+    ... true) and holds at hi. lo, hi: uint32 [R] order keys. Each of the SEARCH_PASSES passes evaluates
+    J = SEARCH_WAYS - 1 thresholds in one reduction over x broadcast to [R, V, J] (on the H200 at V = 128256 a
+    top-p took 166 us of GPU kernels so, 308 us as J sibling row reductions: benchmarks/results/
+    bench_sampling_h200.json, bench_prefill_h200.json)."""
     ways = jnp.arange(1, SEARCH_WAYS, dtype=jnp.uint32)
 
     def narrow(_, bounds):
@@ -127,8 +129,7 @@ def _smallest_passing(x: jax.Array, passes, lo: jax.Array, hi: jax.Array) -> jax
         span = hi - lo
         step = jnp.maximum(span // SEARCH_WAYS + (span % SEARCH_WAYS != 0).astype(jnp.uint32), 1)  # ceil
         cand = jnp.minimum(lo[:, None] + step[:, None] * ways[None, :], hi[:, None])  # [R, J-1], ascending
-        thresholds = _from_order_key(cand)
-        ok = jnp.stack([passes(x, thresholds[:, j]) for j in range(SEARCH_WAYS - 1)], axis=1)
+        ok = passes(x, _from_order_key(cand))
         # the first passing candidate bounds from above; the last failing one from below
         first = jnp.argmax(ok, axis=1)
         any_ok = jnp.any(ok, axis=1)
@@ -146,7 +147,7 @@ def _top_k(z: jax.Array, k: jax.Array) -> jax.Array:
     k = jnp.minimum(k, z.shape[1])
 
     def fewer_than_k_above(x, t):  # count(x >= t) < k: true from just above the k-th largest value
-        return jnp.sum(x >= t[:, None], axis=1) < k
+        return jnp.sum(x[:, :, None] >= t[:, None, :], axis=1) < k
 
     top = _order_key(jnp.max(z, axis=1))
     bottom = _order_key(jnp.min(z, axis=1))
@@ -164,7 +165,7 @@ def _top_p(z: jax.Array, top_p: jax.Array) -> jax.Array:
     p = _softmax(z)
 
     def mass_above_is_small(x, t):  # sum(x > t) < top_p: true from the smallest kept probability on
-        return jnp.sum(jnp.where(x > t[:, None], x, 0.0), axis=1) < top_p
+        return jnp.sum(jnp.where(x[:, :, None] > t[:, None, :], x[:, :, None], 0.0), axis=1) < top_p
 
     top = _order_key(jnp.max(p, axis=1))
     threshold = _smallest_passing(p, mass_above_is_small, _order_key(jnp.zeros_like(top, jnp.float32)), top)

@@ -22,7 +22,7 @@ from pallas_kernels import ROW_TILE
 
 # The largest prefill chunk (positions). Every chunk dequantizes all the int4 weights once more, ~9 ms a chunk at the
 # Llama-3-8B shape on the H200, so long chunks pay: an 8192-token prompt took 430 / 355 / 319 ms in chunks of
-# 512 / 1024 / 2048 (benchmarks/results/bench_prefill_sampling_h200.json, chunk_sweep). Shorter prompts and a
+# 512 / 1024 / 2048 (benchmarks/results/bench_prefill_h200.json, chunk_sweep). Shorter prompts and a
 # prompt's tail run in the smaller shapes of `chunk_sizes`, so a short prompt pays no 2048-row chunk.
 PREFILL_CHUNK = 2048
 CHUNK_SHAPES = 5  # at most: chunk, chunk / 2, ..., chunk / 16
