@@ -1,6 +1,6 @@
 """Greedy acceptance of a draft against verify logits, and the TieGuard near-tie diagnostics.
 
-One argmax for every path (`jnp.argmax`: the lowest index wins a tie, DESIGN 2 rule 4). A draft token is
+One argmax for every path (`jnp.argmax`: the lowest index wins a tie, docs/design.md rule 4). A draft token is
 accepted iff it equals that argmax, so speculative output equals plain greedy output token for token.
 """
 

@@ -1,5 +1,6 @@
 """Step-level exactness check, usable on any model and backend: verify_step row i must equal, bit for bit,
-the decode_step logits at position p + i (DESIGN 2.1). The tests and the GPU exactness run both call this."""
+the decode_step logits at position p + i (docs/design.md, rule 1). The tests and the GPU exactness run call
+this."""
 
 from __future__ import annotations
 

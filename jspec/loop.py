@@ -245,8 +245,8 @@ def prefill_round(
 
 def _sample_tile(settings: LoopSettings, loop: Loop, tile: jax.Array, row_tokens: jax.Array) -> jax.Array:
     """The sampler's choice for every row of a step's logits tile [ROW_TILE, V] (int32 [ROW_TILE]): row r's token
-    takes position state.position + 1 + r. The whole tile in decode and verify alike (rule 8); the barrier keeps XLA
-    from narrowing the computation to the rows a step uses (rule 7)."""
+    takes position state.position + 1 + r. The whole tile in decode and verify alike (docs/design.md, rule 8);
+    the barrier keeps XLA from narrowing the computation to the rows a step uses (rule 7)."""
     state = loop.state  # before the step: position p, history[0..p]
     positions = state.position + 1 + jnp.arange(tile.shape[0], dtype=jnp.int32)
     seen = seen_rows(state.tokens, state.position, row_tokens, tile.shape[1]) if settings.sampling.penalty else None

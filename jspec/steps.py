@@ -2,9 +2,9 @@
 commit.
 
 Both decode_step and verify_step run the model on one full row tile (ROW_TILE rows, padded tokens) at the
-current position, so every op sees the same shapes in both and row r depends only on row r (DESIGN 2.1):
+current position, so every op sees the same shapes in both and row r depends only on row r (docs/design.md, rule 1):
 verify row i equals, bit for bit, the decode step at position + i. The logits are cut to the valid rows
-only after an optimization barrier (DESIGN 2, rule 7).
+only after an optimization barrier (docs/design.md, rule 7).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from jspec.state import DecodeState
 from pallas_kernels import ROW_TILE
 
 # The largest prefill chunk (positions). Every chunk dequantizes all the int4 weights once more, ~9 ms a chunk at the
-# Llama-3-8B shape on the H200, so long chunks pay: an 8192-token prompt took 430 / 355 / 319 ms in chunks of
+# Llama-3-8B shape on the H200, so long chunks pay: an 8192-token prompt took 430 / 352 / 316 ms in chunks of
 # 512 / 1024 / 2048 (benchmarks/results/bench_prefill_h200.json, chunk_sweep). Shorter prompts and a
 # prompt's tail run in the smaller shapes of `chunk_sizes`, so a short prompt pays no 2048-row chunk.
 PREFILL_CHUNK = 2048
@@ -126,7 +126,8 @@ def _tile_step(params: dict, cfg: ModelConfig, state: DecodeState, row_tokens: j
 
 def decode_tile(params: dict, cfg: ModelConfig, state: DecodeState):
     """`decode_step` with the whole row tile: (state, float32 logits [ROW_TILE, V], the tile's input tokens int32
-    [ROW_TILE]); row 0 is the decode's, the others are padding (what the sampler processes along, rule 8)."""
+    [ROW_TILE]); row 0 is the decode's, the others are padding (the sampler processes them along:
+    docs/design.md rule 8)."""
     pending = state.tokens[state.position]
     row_tokens = jnp.zeros((ROW_TILE,), jnp.int32).at[0].set(pending)
     state, logits = _tile_step(params, cfg, state, row_tokens, rows=1)

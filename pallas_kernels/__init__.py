@@ -1,7 +1,7 @@
 """Row-tile kernels for exact speculative decoding: int4 matmul and decode/verify attention.
 
-Every kernel here obeys the row-tile rule (DESIGN 2.1): row r of the output depends only on row r of the input,
-bit for bit, whatever the number of rows M <= ROW_TILE.
+Every kernel here obeys the row-tile rule (docs/design.md, rule 1): row r of the output depends only on row r of
+the input, bit for bit, whatever the number of rows M <= ROW_TILE.
 """
 
 from pallas_kernels.attention import attention

@@ -1,4 +1,4 @@
-"""Decode/verify attention against the KV cache (row-tile rule, DESIGN 2.2).
+"""Decode/verify attention against the KV cache (row-tile rule, docs/design.md rule 2).
 
 `attention` is the decode/verify path: query rows at absolute positions start..start+M-1, each causal over the
 cache. Row r's output is bit-identical for every M <= ROW_TILE. Prefill and the full forward use the flash path of

@@ -14,7 +14,7 @@ caches is the warp-specialized Mosaic GPU kernel of `attention_ws`, which writes
    pass (global max of m first, then one weighted sum in ascending split order, `combine_chunk` splits per step, no
    rescaling) and writes [ROW_TILE, Hq, D]; rows past the call's valid ones are written as zeros.
 
-Why row r is bit-identical for every M and every start that keep its position t = start + r (DESIGN 2.2):
+Why row r is bit-identical for every M and every start that keep its position t = start + r (docs/design.md, rule 2):
 - Rows are padded to ROW_TILE and the valid row count is data (next to the start), so every call runs the same
   kernels on the same shapes. What the count changes is which work is skipped: the Mosaic GPU split kernel's
   chunks holding no valid row exit, the combine writes zeros for rows past the valid ones. A computed row's
@@ -28,8 +28,8 @@ Why row r is bit-identical for every M and every start that keep its position t 
   combine, the same as a split that was never computed (whose garbage partials are masked at the load, never read).
 - The combine's max is order-free; its sum runs over fixed-shape chunks in a fixed order, and every split a row
   does not see adds an exact zero, so the sum does not depend on how many splits the call computed.
-The defaults are the variants selected on the H200 (benchmarks/results/attention_h200.json and, for the split size
-and the one-pass combine, attention_onepass_h200.json; KERNEL_NOTES.md).
+The defaults are the variants selected on the H200 (benchmarks/results/attention_h200.json; the split sizes and the
+combine's variants in docs/kernels.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Which implementation the row-tile kernels run: compiled Pallas, Pallas interpret mode, or jnp reference.
 
-All three obey the row-tile rule (DESIGN 2.1): rows are padded to ROW_TILE and row r of the output depends
+All three obey the row-tile rule (docs/design.md, rule 1): rows are padded to ROW_TILE and row r of the output depends
 only on row r of the input. The default is "pallas" on GPU and "reference" on CPU; set it explicitly with
 `set_backend(...)` or the environment variable JSPEC_KERNELS. The choice is read at trace time, so set it
 before the first call of a jitted function. There is no silent fallback: a backend that cannot run raises.
@@ -23,7 +23,7 @@ def first_rows(y: jax.Array, m: int) -> jax.Array:
     """The first m rows of a row-tile result y [ROW_TILE, ...].
 
     Below a full tile the slice comes after an optimization barrier: XLA would otherwise sink it into the ops that
-    produce y (a split-K sum, a dot) and compile a different reduction for each m (DESIGN 2, rule 7). A full tile
+    produce y (a split-K sum, a dot) and compile a different reduction for each m (docs/design.md, rule 7). A full tile
     (what decode_step and verify_step run) has no slice and needs no barrier, so XLA may fuse those ops into y's
     consumer: the same shapes and the same graph in both steps, so the same fusion and the same bits.
     """

@@ -1,10 +1,10 @@
 """Row-tile matmul kernels (Pallas): x [M <= 16, K] @ W [K, N] -> float32 [M, N], row-exact in M.
 
-Rows are padded to ROW_TILE = 16 before the kernel, so decode (M=1) and verify (M=k+1) run the very same kernel on
-the very same shapes and row r of the output depends only on row r of x (DESIGN 2.1). Inside, tiles are fixed
-(no dependence on M), there are no atomics, and an optional split-K is combined outside the kernel in a fixed order
-on M-independent shapes; below a full tile an optimization barrier comes before the final slice to M rows
-(`backend.first_rows`, DESIGN 2, rule 7).
+Rows are padded to ROW_TILE = 16 before the kernel, so decode (M=1) and verify (M=k+1) run the very same kernel on the
+very same shapes and row r of the output depends only on row r of x (docs/design.md, rule 1). Inside, tiles are fixed
+(no dependence on M), there are no atomics, and an optional split-K is combined outside the kernel in a fixed order on
+M-independent shapes; below a full tile an optimization barrier comes before the final slice to M rows
+(`backend.first_rows`, docs/design.md rule 7).
 
 int4 weights (`Int4Weight`, physical W[n] packed as uint8 [N, K/2]) are read "swap-AB": each program owns BN output
 channels, streams their packed bytes along K in steps of G blocks (G * 16 bytes per row), dequantizes in registers

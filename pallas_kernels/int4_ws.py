@@ -9,8 +9,8 @@ int4 upcast layout hands it as one 32-bit word, are then exactly the 8 k the wgm
 into the wgmma operand's registers, a shift, a lop3 and a bf16x2 subtract per pair (`_to_wgmma_bf16`; no prmt, no
 data movement). `to_int4_weight` undoes the preparation exactly.
 
-The kernel (DESIGN 2.1 row-tile rule: rows padded to ROW_TILE = 16, tiles from the shape only, partials combined
-outside in a fixed order, then `backend.first_rows`): a stream-K partition (`Partition`) gives each
+The kernel (docs/design.md rule 1, the row tile: rows padded to ROW_TILE = 16, tiles from the shape only,
+partials combined outside in a fixed order, then `backend.first_rows`): a stream-K partition (`Partition`) gives each
 CTA (one per SM) an even share of the (row tile, k step) units. Per CTA one TMA warpgroup streams
 [2 * wg_rows, TILE_K] code tiles, their [2 * wg_rows, TILE_K / 32] scales (each one contiguous block: `Int4Codes`
 stores codes and scales step-major) and the [16, TILE_K] x tile through a
@@ -21,8 +21,7 @@ time (`Config.chunks`: the next chunk converts while the previous chunk's wgmma 
 float32 [wg_rows, 16]; at the end of each tile's run of steps (a segment) the accumulator goes to that segment's
 partial. Every step is the same straight-line code (no branch around the wgmma or the accumulator's zeroing), or
 ptxas serializes the wgmma instructions. GPU only (no interpret mode); bfloat16 activations. H200 measurements and
-the variants behind the defaults: benchmarks/int4_layouts.py, benchmarks/KERNEL_NOTES.md ("Prepared layouts",
-"Straight-line steps").
+the variants behind the defaults: docs/kernels.md and benchmarks/experiments/int4_layouts.py.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ class Int4Codes:
     """A symmetric Int4Weight W [K, N] prepared for this kernel, both arrays step-major (one TMA box of a (row tile,
     k step) is contiguous): codes int4 [K_pad / TILE_K, N, TILE_K] = q - 8, codes[i, n, j] the code of row n at
     k = TILE_K i + j with the k of every 32-k block in `STORED_K` order (a box: 16 KB in one piece, where [N, K_pad]
-    row-major codes give 128 pieces of 128 bytes, KERNEL_NOTES); scales bf16 [K_pad / TILE_K, N, TILE_K / 32]:
+    row-major codes give 128 pieces of 128 bytes, docs/kernels.md); scales bf16 [K_pad / TILE_K, N, TILE_K / 32]:
     scales[i, n, g] is the scale of row n's 32-k block 8 i + g (a 2 KB box; from [N, K / 32] row-major scales a box
     reads 16 bytes per row: 12% of the pipeline's own bandwidth floor on the H200). K_pad is K rounded up to a
     multiple of `TILE_K`; the padding holds zero codes and zero scales, and x is padded with zeros to match, so
@@ -74,7 +73,7 @@ class Config:
     chunks: k chunks per step, each converted and handed to its own (asynchronous) wgmma before the next is
     converted, so a chunk's conversion overlaps the previous chunk's wgmma. The chunks issue the same wgmma
     instructions in the same k order as one chunk would: the bits do not depend on `chunks` (a GPU test checks it).
-    2 chunks: -4.6% int4 kernel time in the Llama-3-8B decode step, -6.0% at Qwen2.5-14B (KERNEL_NOTES)."""
+    2 chunks: -4.6% int4 kernel time in the Llama-3-8B decode step, -6.0% at Qwen2.5-14B (docs/kernels.md)."""
 
     stages: int = 4
     wg_rows: int = 64
@@ -193,7 +192,7 @@ def config_for(k: int, n: int) -> Config:
     """The Config `rows_matmul` uses for a [K (stored), N] weight, a function of the shape only: 256-row tiles (two
     warpgroups of 128 rows: one x tile and one pipeline step per 36 KB of weights instead of 18) where they fit N
     and the default 128-row tiles give each CTA at least WIDE_MIN_STEPS steps; else the default. Kernel alone on
-    the H200 (KERNEL_NOTES, seventeenth session) a 256-row step costs ~0.93x two 128-row steps, and the wider
+    the H200 (docs/kernels.md) a 256-row step costs ~0.93x two 128-row steps, and the wider
     stream-K units add at most one 128-row step's worth per CTA, so from 24 steps on they win: 1.5-10% faster on
     every lm_head and gate_up of the bench shapes; 7-33% slower on their qkv, o and down (4-17 steps per CTA),
     where the wider tiles' longer ramp and coarser units cost more than the steps save."""

@@ -16,7 +16,7 @@ every call.
 On the GPU, `prepare_ws` (what `Engine` does by default with bfloat16 activations) does the same kind of one-time
 preparation for the int4 weights: it replaces every symmetric one whose N fits the kernel's row tile by its `Int4Codes`
 (re-biased, K padded to the k tile) served by the warp-specialized Mosaic GPU kernel of
-`pallas_kernels.int4_ws`, faster than the Triton row-tile kernel on every measured shape (KERNEL_NOTES.md).
+`pallas_kernels.int4_ws`, faster than the Triton row-tile kernel on every measured shape (docs/kernels.md).
 The jnp reference product takes `Int4Codes` too, with the bits of the `Int4Weight` they came from.
 """
 

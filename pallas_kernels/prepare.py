@@ -39,8 +39,8 @@ def prepare_ws(params):
     """params with every symmetric Int4Weight whose N fits the Mosaic GPU kernel's 128-row tile replaced by its
     Int4Codes (K padded to a multiple of the 256-k tile: e.g. GLM-4-9B's down, K = 13696). On the H200
     that kernel beat the Triton row-tile kernel on every Qwen2.5-7B / 14B linear shape: 1.28-1.58x on gate_up,
-    down, lm_head (benchmarks/results/int4_matmul_h200.json) and 1.15-1.49x on qkv and o (same-process runs,
-    benchmarks/results/int4_qkv_o_h200.json)."""
+    down, lm_head (benchmarks/results/int4_matmul_h200.json) and 1.15-1.49x on qkv and o (same-process runs;
+    docs/kernels.md)."""
     return _map_int4(lambda w: prepare_codes(w) if _takes_ws(w) else w, params)
 
 

@@ -5,13 +5,13 @@ The recurrence, per value head (state S [dk, dv], query q / key k [dk] L2-normal
 v [dv], log-decay g <= 0, write strength beta in (0, 1)):
     S <- exp(g) S;   u = beta (v - S^T k);   S <- S + k u^T;   out = S^T q
 
-Exactness (DESIGN 2.3): `gdn_rows` advances a row tile one position at a time with the step arithmetic and keeps
-the post-state after every valid row in its own candidate slot; a commit then selects one by index. Decode and
-verify run the very same compiled loop (the row count is a runtime value), so row i's post-state and output are
-the bits of the decode at that position. Everything outside the loop works on full fixed-shape row tiles.
-Backends: "reference" is a jnp while loop; "pallas" (GPU) / "interpret" a Pallas kernel, one program per (value
-head, block of value columns), that keeps its state block in registers across the rows: it reads the committed
-state once and writes each post-state once (an XLA loop makes several passes over the state per row).
+Exactness (docs/design.md, rule 3): `gdn_rows` advances a row tile one position at a time with the step arithmetic and
+keeps the post-state after every valid row in its own candidate slot; a commit then selects one by index. Decode and
+verify run the very same compiled loop (the row count is a runtime value), so row i's post-state and output are the bits
+of the decode at that position. Everything outside the loop works on full fixed-shape row tiles. Backends: "reference"
+is a jnp while loop; "pallas" (GPU) / "interpret" a Pallas kernel, one program per (value head, block of value columns),
+that keeps its state block in registers across the rows: it reads the committed state once and writes each post-state
+once (an XLA loop makes several passes over the state per row).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Pallas decode/verify attention (pallas_kernels/attention_kernel.py) in interpret mode on CPU, and its Mosaic GPU
 split kernel (pallas_kernels/attention_ws.py: cross-lowered on jax >= 0.11, run when a GPU is present).
 
-Row exactness (DESIGN 2.2): row r of a call with M rows at `start` is bit-identical to the M=1 call at position
-start + r, for every M in 1..ROW_TILE, across block and split boundaries, with different stale data past each
+Row exactness (docs/design.md, rule 2): row r of a call with M rows at `start` is bit-identical to the M=1 call at
+position start + r, for every M in 1..ROW_TILE, across block and split boundaries, with different stale data past each
 call's rows. Agreement with the jnp reference is checked with tolerances.
 """
 

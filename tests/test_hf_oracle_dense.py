@@ -2,7 +2,7 @@
 tiny random transformers models (every parameter randomized, float32) saved as safetensors and loaded with
 `checkpoints.load_hf`. `jspec.forward` must match transformers' logits and the Engine its greedy tokens.
 
-Also the int4 accuracy report (issue 4 item 6): int4 (`quantize="int4"`, round-to-nearest, blocks of 32) against
+Also the int4 accuracy report (docs/performance.md): int4 (`quantize="int4"`, round-to-nearest, blocks of 32) against
 float on the same models. Measured on 30 models (these 6 variants x seeds 0-4, 256 random-token positions each):
 top-1 agreement with float 65.2% (min 52.3%) with a dense lm_head, 62.3% with an int4 lm_head as well; relative RMS
 logit error 0.17-0.36; a deliberately broken quantizer (nibbles swapped) gives 0.5% agreement and RMS error 1.42.

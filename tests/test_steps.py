@@ -1,4 +1,4 @@
-"""Step-level exactness (DESIGN 2.1): verify_step row i == decode_step at position p + i, bit for bit."""
+"""Step-level exactness (docs/design.md, rule 1): verify_step row i == decode_step at position p + i, bit for bit."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The results JSON of a bench run: `Report` (written atomically after every sub-step, with the identity checks'
-tally), its `meta` (device, versions, commit, options), the external `REFERENCES` and DESIGN 5 `TARGETS` it is
-compared with, and `Context`, what every section function gets: the options, the budget, the report, the compile
-counter and estimator, and what one section hands to a later one."""
+tally), its `meta` (device, versions, commit, options), the external `REFERENCES` and the `TARGETS`
+(docs/performance.md) it is compared with, and `Context`, what every section function gets: the options, the budget, the
+report, the compile counter and estimator, and what one section hands to a later one."""
 
 from __future__ import annotations
 
@@ -26,14 +26,14 @@ if TYPE_CHECKING:
 
 SCHEMA = 1
 
-# External references measured on this H200 (DESIGN 5), quoted, not measured by this bench.
+# External references measured on this H200 (docs/performance.md), quoted, not measured by this bench.
 REFERENCES = {
     "gpt_fast_int4_g32_llama3_8b_tok_s": 228.8,
     "gpt_fast_bf16_llama3_8b_tok_s": 172.3,
     "hf_transformers_bf16_eager_qwen2.5_7b_tok_s": 16.8,
     "earlier_engine_qwen2.5_14b_decode_ms": 7.9,
 }
-TARGETS = {  # DESIGN 5 / issue 7
+TARGETS = {  # docs/performance.md, "Targets"
     "decode_roofline_14b": 0.55,
     "verify7_over_decode": 1.25,
     "speedup_at_mean_accepted_3": 2.0,

@@ -1,5 +1,5 @@
-"""What a results JSON is summed up as: `evaluate_targets` (the DESIGN 5 targets met or not, from the measured
-figures) and `readme_table` (the README's markdown: step costs, end to end, peer, targets, identity)."""
+"""What a results JSON is summed up as: `evaluate_targets` (the targets of docs/performance.md met or not, from
+the measured figures) and `readme_table` (the README's markdown: step costs, end to end, peer, targets, identity)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from jspec_bench.shapes import STEP_MODELS
 
 
 def evaluate_targets(data: dict) -> list[dict]:
-    """DESIGN 5 targets from the measured figures: met True/False, or None when not measured in this run. A quick
-    run (tiny CPU shapes) claims nothing: every target is None, "not evaluated", its value still recorded."""
+    """The targets (docs/performance.md) from the measured figures: met True/False, or None when not measured in
+    this run. A quick run (tiny CPU shapes) claims nothing: every target is None, "not evaluated", its value still
+    recorded."""
     secs = data.get("sections", {})
     steps = secs.get("steps", {}).get("models", {})
     quick = data.get("meta", {}).get("mode") == "quick"
@@ -93,7 +94,7 @@ def evaluate_targets(data: dict) -> list[dict]:
         "not measured"
         if best_loop is None
         else f"{best_loop} loop (median over prompts), {greedy[best_loop] / gpt_fast:.2f}x gpt-fast int4 "
-        "(external reference, DESIGN 5)",
+        "(external reference, docs/performance.md)",
     )
     recompiles = e2e.get("compiles_after_warmup")
     add(
@@ -198,7 +199,8 @@ def readme_table(data: dict) -> str:
     if meta.get("mode") != "quick":  # a smoke run on tiny CPU shapes sets nothing beside the H200's figures
         lines += [
             "",
-            f"External references on this H200 (DESIGN 5, not measured here): gpt-fast Llama-3-8B shape int4 g32 "
+            "External references on this H200 (docs/performance.md; not measured here): gpt-fast Llama-3-8B shape "
+            "int4 g32 "
             f"{ref['gpt_fast_int4_g32_llama3_8b_tok_s']} tok/s, bf16 {ref['gpt_fast_bf16_llama3_8b_tok_s']} tok/s.",
         ]
     lines += ["", "**Targets**", "", "| target | value | met | detail |", "|---|---|---|---|"]

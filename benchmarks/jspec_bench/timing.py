@@ -177,7 +177,7 @@ def profile(run: Callable[[], None]):
 def _time_chain(fn, params, state, extra: tuple, reps: int, trials: int, warmup_s: float):
     """Seconds per call of state, out = fn(params, state, *extra) chained (state donated): median over trials of
     `reps` back-to-back calls, after `warmup_s` seconds of untimed calls (at least one: on the H200 the first timed
-    trials of a step ran up to 30% slow after a single warm-up call, KERNEL_NOTES). Returns (median, all trial
+    trials of a step ran up to 30% slow after a single warm-up call, docs/performance.md). Returns (median, all trial
     times, the GPU kernel times of 3 more calls under the XLA profiler (`kernel_times`; None off the GPU))."""
     end = time.perf_counter() + warmup_s
     while True:

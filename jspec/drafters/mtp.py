@@ -124,7 +124,7 @@ class MTPDrafter:
             cache, h, d = carry_state
             rows_h = jnp.zeros((ROW_TILE, h.shape[-1]), h.dtype).at[0].set(h)
             rows_t = jnp.zeros((ROW_TILE,), jnp.int32).at[0].set(d)
-            # one real row: only it attends (a row's bits do not depend on the others, DESIGN 2.2)
+            # one real row: only it attends (a row's bits do not depend on the others, docs/design.md rule 2)
             run = Run.step(p + offset, rows=1)
             chain, normed, cache = mtp_layer(params, cfg, rows_h, rows_t, cache, run, num_layers - 1)
             d = choose(logits_from_hidden(params, cfg, normed[:1])[0], p + 1 + num_layers + offset)
