@@ -1,6 +1,6 @@
-"""Real acceptance with the bundled demo model: prompt lookup and MTP drafting on code-editing prompts (rewrite /
-rename / add a parameter: the answer repeats the prompt, so lookup should hit) and on free continuation (where it
-should not).
+"""Real acceptance with the bundled demo model: prompt lookup, MTP and draft-model drafting on code-editing prompts
+(rewrite / rename / add a parameter: the answer repeats the prompt, so lookup should hit) and on free continuation
+(where it should not).
 
 For every prompt and drafter: mean_accepted, acceptance per draft position, tok/s against plain greedy, and the
 exactness check (speculative tokens == greedy tokens) on every run; the script exits non-zero if any run differs.
@@ -128,8 +128,10 @@ def load_demo(ckpt_dir: str):
     return params, cfg, Tokenizer.from_file(os.path.join(ckpt_dir, "tokenizer.json"))
 
 
-def drafter_configs(lookup_k: int, mtp_k: int, with_mtp: bool, sampling: bool = False) -> dict:
-    """name -> (k, drafter, gate)."""
+def drafter_configs(
+    lookup_k: int, mtp_k: int, with_mtp: bool, sampling: bool = False, draft_model=None, draft_k: int = 4
+) -> dict:
+    """name -> (k, drafter, gate); draft_model: a jspec.DraftModel (None: no draft-model row)."""
     configs = {
         "prompt_lookup": (lookup_k, jspec.PromptLookup(), None),
         "prompt_lookup_gated": (lookup_k, jspec.PromptLookup(), jspec.HitDensityGate()),
@@ -138,6 +140,8 @@ def drafter_configs(lookup_k: int, mtp_k: int, with_mtp: bool, sampling: bool = 
         configs["mtp"] = (mtp_k, jspec.MTPDrafter(), None)
         if sampling:
             configs["mtp_argmax"] = (mtp_k, jspec.MTPDrafter(coupled=False), None)
+    if draft_model is not None:
+        configs["draft_model"] = (draft_k, draft_model, None)
     return configs
 
 
@@ -265,6 +269,10 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", help="jspec checkpoint dir with tokenizer.json (default: the bundled demo)")
     p.add_argument("--k", type=int, default=7, help="draft length for prompt lookup")
     p.add_argument("--mtp-k", type=int, default=2, help="draft length for MTP")
+    p.add_argument("--draft-k", type=int, default=4, help="draft length for the draft model")
+    p.add_argument(
+        "--draft-checkpoint", help="draft model (default: the bundled demo drafter with the demo model; 'none': skip)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--on-device", choices=("auto", "yes", "no"), default="auto", help="also time generate_on_device")
@@ -278,7 +286,10 @@ def main(argv=None) -> int:
     params, cfg, tok = load_demo(ckpt)
     on_device = args.on_device == "yes" or (args.on_device == "auto" and jax.default_backend() == "gpu")
     with_mtp = cfg.num_mtp_layers > 0
-    configs = drafter_configs(args.k, args.mtp_k, with_mtp, sampling=args.temperatures is not None)
+    draft_path = args.draft_checkpoint or (None if args.checkpoint else checkpoints.drafter_dir())
+    draft_model = jspec.DraftModel.load(draft_path) if draft_path not in (None, "none") else None
+    sampling = args.temperatures is not None
+    configs = drafter_configs(args.k, args.mtp_k, with_mtp, sampling, draft_model, args.draft_k)
     engines = {k: jspec.Engine(params, cfg, max_len=args.max_len, k=k) for k in {c[0] for c in configs.values()}}
     load_before = os.getloadavg()[0]
     runs = []
@@ -316,6 +327,8 @@ def main(argv=None) -> int:
         jax_version=jax.__version__,
         commit=args.commit or git_commit(),
         checkpoint=os.path.relpath(ckpt, ROOT) if ckpt.startswith(ROOT) else ckpt,
+        draft_checkpoint=None if draft_model is None else os.path.relpath(draft_path, ROOT),
+        draft_model=None if draft_model is None else dict(draft_model.cfg.to_dict()),
         model=dict(cfg.to_dict()),
         max_new_tokens=args.max_new_tokens,
         max_len=args.max_len,

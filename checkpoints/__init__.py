@@ -3,6 +3,7 @@
 params, cfg = checkpoints.load_hf(hf_dir, dtype="float32" | "bfloat16", quantize=None | "int4")
 checkpoints.save(out_dir, params, cfg);  params, cfg = checkpoints.load(out_dir)
 params, cfg = checkpoints.load(checkpoints.demo_dir())   # the bundled int4 demo model (+ tokenizer.json)
+jspec.DraftModel.load(checkpoints.drafter_dir())          # the bundled drafter distilled from it
 """
 
 import os
@@ -28,6 +29,15 @@ def demo_dir() -> str:
     return path
 
 
+def drafter_dir() -> str:
+    """Directory of the bundled demo drafter (`python -m checkpoints.train_drafter`: distilled from the demo model,
+    its tokenizer; int4 linears, bfloat16 embedding) for `jspec.DraftModel.load`."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_drafter")
+    if not os.path.isfile(os.path.join(path, "jspec.json")):
+        raise FileNotFoundError(f"the bundled demo drafter is missing from {path}")
+    return path
+
+
 __all__ = [
     "QUANTIZE_LM_HEAD_DEFAULT",
     "CheckpointError",
@@ -37,6 +47,7 @@ __all__ = [
     "from_gptq",
     "from_matmul_nbits",
     "demo_dir",
+    "drafter_dir",
     "load",
     "load_hf",
     "save",

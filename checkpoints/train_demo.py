@@ -194,11 +194,12 @@ def demo_config(vocab_size: int, size: str = "demo", seq_len: int = 512, eos_id:
 
 
 def init_train_params(cfg: ModelConfig, key: jax.Array) -> dict:
-    """float32 params in jspec's layout (dense.init_params + init_mtp_params structure), re-initialised for
-    training: norms 1, biases 0, matrices N(0, 0.02^2), residual output projections N(0, (0.02 / sqrt(2 L))^2)."""
+    """float32 params in jspec's layout (dense.init_params, + init_mtp_params when cfg has MTP layers), re-initialised
+    for training: norms 1, biases 0, matrices N(0, 0.02^2), residual output projections N(0, (0.02 / sqrt(2 L))^2)."""
     k_main, k_mtp, k_init = jax.random.split(key, 3)
     params = dense.init_params(cfg, k_main)
-    params["mtp"] = init_mtp_params(cfg, k_mtp, num_layers=cfg.num_mtp_layers)
+    if cfg.num_mtp_layers:
+        params["mtp"] = init_mtp_params(cfg, k_mtp, num_layers=cfg.num_mtp_layers)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     keys = jax.random.split(k_init, len(leaves))
     depth_scale = 1.0 / math.sqrt(2 * cfg.num_layers)
@@ -255,7 +256,7 @@ class TrainSettings:
     final_lr_frac: float = 0.1
     warmup: int = 100
     weight_decay: float = 0.1
-    mtp_weight: float = 0.3
+    aux_weight: float = 0.3  # weight of the second loss (the demo model's MTP loss)
     clip: float = 1.0
     compute_dtype: str = "bfloat16"
 
@@ -287,23 +288,25 @@ def sample_windows(tokens: jax.Array, key: jax.Array, batch: int, length: int) -
     return jax.vmap(lambda s: jax.lax.dynamic_slice(tokens, (s,), (length,)))(starts).astype(jnp.int32)
 
 
-def make_train_step(cfg: ModelConfig, s: TrainSettings, tx):
-    """(params, opt_state, tokens, key, step, total) -> (params, opt_state, main loss, mtp loss, lr)."""
+def make_train_step(losses, s: TrainSettings, tx):
+    """losses(params in the compute dtype, windows int32 [B, T + 2]) -> (main, aux) float32 [], minimized as
+    main + s.aux_weight * aux -> step(params, opt_state, tokens, key, step, total) -> (params, opt_state, main, aux,
+    lr)."""
     import optax
 
     compute = jnp.dtype(s.compute_dtype)
 
     def loss_fn(params, windows):
-        main, mtp = model_losses(cast_floats(params, compute), cfg, windows)
-        return main + s.mtp_weight * mtp, (main, mtp)
+        main, aux = losses(cast_floats(params, compute), windows)
+        return main + s.aux_weight * aux, (main, aux)
 
     def step_fn(params, opt_state, tokens, key, step, total):
         windows = sample_windows(tokens, key, s.batch, s.seq_len + 2)
-        grads, (main, mtp) = jax.grad(loss_fn, has_aux=True)(params, windows)
+        grads, (main, aux) = jax.grad(loss_fn, has_aux=True)(params, windows)
         updates, opt_state = tx.update(grads, opt_state, params)
         lr = learning_rate(step, total, s)
         params = optax.apply_updates(params, jax.tree.map(lambda u: -lr * u, updates))
-        return params, opt_state, main, mtp, lr
+        return params, opt_state, main, aux, lr
 
     return step_fn
 
@@ -359,7 +362,7 @@ def greedy_samples(params: dict, cfg: ModelConfig, tok, prompts, max_new: int) -
 
 def train(
     params: dict,
-    cfg: ModelConfig,
+    losses,
     s: TrainSettings,
     train_tokens: np.ndarray,
     seconds: float,
@@ -368,13 +371,15 @@ def train(
     max_steps: int | None = None,
     log_every: int = 50,
     log=print,
+    names: tuple[str, str] = ("loss", "mtp"),
 ) -> tuple[dict, dict]:
-    """Train for about `seconds`, compile included (or exactly max_steps): the cosine horizon is set from the step
-    time measured over steps 3..13. Returns (float32 params, training record)."""
+    """Train params on `losses` (see make_train_step) for about `seconds`, compile included (or exactly
+    max_steps): the cosine horizon is set from the step time measured over steps 3..13. `names` label the two losses
+    in the log. Returns (float32 params, training record)."""
     tx = make_optimizer(s)
     opt_state = tx.init(params)
     tokens = jax.device_put(train_tokens)
-    step_fn = make_train_step(cfg, s, tx)
+    step_fn = make_train_step(losses, s, tx)
     start = time.perf_counter()  # the budget includes the compile
     compiled = (
         jax.jit(step_fn, donate_argnums=(0, 1))
@@ -405,7 +410,7 @@ def train(
             m, t, r = float(main), float(mtp), float(lr)
             elapsed = time.perf_counter() - start
             curve.append((step, m, t, r))
-            log(f"step {step}/{total}  loss {m:.3f}  mtp {t:.3f}  lr {r:.2e}  {elapsed:.0f} s")
+            log(f"step {step}/{total}  {names[0]} {m:.3f}  {names[1]} {t:.3f}  lr {r:.2e}  {elapsed:.0f} s")
             if max_steps is None and elapsed > seconds + 15:
                 log("time budget exceeded: stopping early")
                 break
@@ -449,7 +454,7 @@ def model_card(m: dict) -> str:
         f"vocab {cfg['vocab_size']}, untied lm_head, RoPE theta {cfg['rope']['theta']:g}, "
         f"trained context {cfg['max_position_embeddings']}",
         f"- {cfg['num_mtp_layers']} MTP layer ({cfg['mtp_layout']} layout), trained jointly "
-        f"(loss weight {tr['settings']['mtp_weight']})",
+        f"(loss weight {tr['settings']['aux_weight']})",
         f"- parameters: {m['params']['main'] / 1e6:.1f} M main model + {m['params']['mtp'] / 1e6:.1f} M MTP "
         f"(embedding {m['params']['embed'] / 1e6:.1f} M)",
         f"- stored: every linear (qkv, o, gate_up, down, lm_head, MTP fc) int4 (symmetric, blocks of 32, bf16 "
@@ -531,7 +536,7 @@ def run(args) -> dict:
         seconds = min(seconds, args.total_minutes * 60 - (time.perf_counter() - t_start) - POST_TRAINING_RESERVE_S)
     params, record = train(
         params,
-        cfg,
+        lambda p, windows: model_losses(p, cfg, windows),
         s,
         train_tokens,
         seconds,

@@ -7,7 +7,7 @@ Start with `jspec.load(dir).generate(text)` (docs/api.md); the pure steps and th
 from jspec import exactness
 from jspec.accept import TieGuard, greedy_accept
 from jspec.config import ModelConfig, RopeConfig, UnsupportedModelError
-from jspec.drafters import Drafter, MTPDrafter, PromptLookup
+from jspec.drafters import Drafter, DraftModel, MTPDrafter, PromptLookup
 from jspec.engine import Engine, GenerationResult, compiler_options, generate
 from jspec.forward import forward
 from jspec.gate import HitDensityGate
@@ -27,6 +27,7 @@ except ImportError:  # another project's regular `checkpoints` package: jspec.lo
 __all__ = [
     "DecodeState",
     "DeviceGeneration",
+    "DraftModel",
     "Drafter",
     "Engine",
     "GenerationResult",

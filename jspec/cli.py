@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pallas_kernels import ROW_TILE
 
-DRAFTERS = ("none", "prompt-lookup", "mtp")
+DRAFTERS = ("none", "prompt-lookup", "mtp", "draft-model")
 USER_ERRORS = (ValueError, TypeError, OSError, MemoryError, ImportError)
 
 
@@ -77,10 +77,28 @@ def _sampler(args):
     return jspec.Sampler(temperature=args.temperature, seed=args.seed, **values)
 
 
-def _drafter(name: str):
+def _draft_checkpoint(args, path: str) -> str | None:
+    """The draft model's checkpoint for --drafter draft-model: --draft-checkpoint, or the bundled demo drafter for
+    the demo model."""
+    from jspec.model import checkpoints_package, resolve_checkpoint
+
+    if args.drafter != "draft-model":
+        if args.draft_checkpoint:
+            raise CliError("--draft-checkpoint is the draft model of --drafter draft-model")
+        return None
+    if args.draft_checkpoint:
+        return args.draft_checkpoint
+    if path != resolve_checkpoint(None):
+        raise CliError("--drafter draft-model needs --draft-checkpoint (a bundled drafter exists for the demo model)")
+    return checkpoints_package().drafter_dir()
+
+
+def _drafter(args, draft_path: str | None):
     import jspec
 
-    return {"none": None, "prompt-lookup": jspec.PromptLookup(), "mtp": jspec.MTPDrafter()}[name]
+    if args.drafter == "draft-model":
+        return jspec.DraftModel.load(draft_path)
+    return {"none": None, "prompt-lookup": jspec.PromptLookup(), "mtp": jspec.MTPDrafter()}[args.drafter]
 
 
 def _plan(args, path: str):
@@ -125,6 +143,7 @@ def cmd_generate(args) -> int:
     if not hf and (args.quantize or args.dtype):
         raise CliError("--dtype and --quantize apply to HuggingFace checkpoints; this one is already converted")
     sampler = _sampler(args)
+    draft_path = _draft_checkpoint(args, path)
     _, _, prompt, max_len = _plan(args, path)
     model = jspec.load(path, dtype=args.dtype, quantize=args.quantize) if hf else jspec.load(path)
     engine = model.engine(max_len, args.k)
@@ -137,9 +156,11 @@ def cmd_generate(args) -> int:
         on_device=args.on_device,
         sampler=sampler,
     )
-    drafter = _drafter(args.drafter)
+    drafter = _drafter(args, draft_path)
     text = read_prompt(args)
     out = {"checkpoint": path, "prompt_tokens": len(prompt), "drafter": args.drafter, "k": args.k}
+    if draft_path:
+        out["draft_checkpoint"] = draft_path
     if args.compare_greedy:  # time warmed runs: compile and run each once first
         t0 = time.perf_counter()
         engine.generate(prompt, drafter=drafter, **run)
@@ -237,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     text.add_argument("--prompt")
     text.add_argument("--prompt-file")
     g.add_argument("--drafter", choices=DRAFTERS, default="prompt-lookup")
+    g.add_argument(
+        "--draft-checkpoint", help="the draft model of --drafter draft-model (default: the demo model's bundled one)"
+    )
     g.add_argument("--k", type=positive(1, ROW_TILE - 1), default=4, help=f"draft tokens per verify step "
                    f"(1..{ROW_TILE - 1})")  # fmt: skip
     g.add_argument("--max-new-tokens", type=positive(), default=128)

@@ -128,6 +128,7 @@ class Engine:
         prep = ws_prep_nbytes(params) if backend == "pallas" else prepared_nbytes(params, self.dtype)
         self._check_memory(params, self.settings(), prepared_weights=prep if self.prepared else 0)
         self.params = prepare_params(params, self.dtype, backend) if self.prepared else params
+        self._drafter_weights: tuple = (None, None)  # (a drafter's weights, as prepared): the last one used
         self._executables: dict[tuple, jax.stages.Compiled] = {}
         self._memory_checked: set[LoopSettings] = set()
         self.num_compiles = 0
@@ -156,6 +157,8 @@ class Engine:
             raise TypeError(
                 f"drafter {drafter!r} must be hashable (a frozen dataclass): it keys the executables"
             ) from None
+        if callable(getattr(drafter, "check_target", None)):  # a drafter model: its vocabulary and positions
+            drafter.check_target(self.cfg, self.max_len)
         checks.instance(gate, HitDensityGate, "gate", "a jspec.HitDensityGate or None")
         checks.instance(tie_guard, TieGuard, "tie_guard", "a jspec.TieGuard or None")
         checks.instance(sampler, Sampler, "sampler", "a jspec.Sampler or None")
@@ -170,10 +173,13 @@ class Engine:
             sampling=None if sampler is None else sampler.mode,
         )
 
-    def _check_memory(self, params, settings: LoopSettings, prepared_weights: int = 0) -> None:
+    def _check_memory(self, params, settings: LoopSettings, prepared_weights: int = 0, own=None) -> None:
         """Raise MemoryBudgetError if a generation with these settings would not fit (`jspec.memory`)."""
         shapes = jax.eval_shape(
-            lambda p, *request: start_loop(p, self.cfg, settings, *request), params, *self._request_args(settings)
+            lambda p, o, *request: start_loop(p, self.cfg, settings, *self._pad_request(settings, request), own=o),
+            params,
+            own,
+            *self._request_args(settings),
         )
         per_position = tree_bytes(shapes) / self.max_len
         parts = {
@@ -206,37 +212,59 @@ class Engine:
             return args
         return (*args, jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), Sampler().values()))
 
-    def _start_exec(self, settings: LoopSettings):
-        def run(params, prompt, length, max_new, eos_ids, sampler=None):
-            return start_loop(params, self.cfg, settings, prompt, length, max_new, eos_ids, sampler)
+    @staticmethod
+    def _pad_request(settings: LoopSettings, request: tuple) -> tuple:
+        """A request's arguments for the loop's functions (sampler None when greedy)."""
+        return request if settings.sampling is not None else (*request, None)
 
-        return self._compile(("start", settings), run, self.params, *self._request_args(settings))
+    def weights(self, drafter) -> tuple:
+        """The executables' runtime weights: (params, the drafter's own weights or None). The drafter's are prepared
+        as the Engine's `prepare` decides for its own dtype (`resolve_prepare`); the last drafter's prepared copy is
+        kept, so a drafter reused across requests is prepared once."""
+        own = getattr(drafter, "weights", None)
+        if own is None:
+            return self.params, None
+        if self._drafter_weights[0] is not own:
+            dtype, backend = jnp.dtype(own["embed"].dtype).name, get_backend()
+            prepare = resolve_prepare(None if self.prepared else False, own, dtype, backend)
+            self._drafter_weights = (own, prepare_params(own, dtype, backend) if prepare else own)
+        return self.params, self._drafter_weights[1]
 
-    def _loop_exec(self, kind: str, settings: LoopSettings, loop_shape):
+    def _start_exec(self, settings: LoopSettings, weights: tuple):
+        def run(weights, prompt, length, max_new, eos_ids, sampler=None):
+            params, own = weights
+            return start_loop(params, self.cfg, settings, prompt, length, max_new, eos_ids, sampler, own)
+
+        return self._compile(("start", settings), run, weights, *self._request_args(settings))
+
+    def _loop_exec(self, kind: str, settings: LoopSettings, weights: tuple, loop_shape):
         """The executable of one loop stage: up to N prefill chunks, the first round, or up to N rounds of one kind
         (decode or verify). Each kind has its own executable; the loop state is donated."""
         counted = jax.ShapeDtypeStruct((), jnp.int32)
         if kind == "first":
             return self._compile(
                 (kind, settings),
-                lambda params, loop: first_round(params, self.cfg, settings, loop),
-                self.params,
+                lambda weights, loop: first_round(weights[0], self.cfg, settings, loop, weights[1]),
+                weights,
                 loop_shape,
                 donate=(1,),
             )
 
-        def run(params, loop, n):
+        def run(weights, loop, n):
+            params, own = weights
             if kind.startswith("prefill"):  # "prefill<size>": chunks of one shape
-                return prefill_rounds(params, self.cfg, settings, loop, n, int(kind.removeprefix("prefill")))
-            return run_rounds(params, self.cfg, settings, loop, n, verify=kind == "verify")
+                size = int(kind.removeprefix("prefill"))
+                return prefill_rounds(params, self.cfg, settings, loop, n, size, own)
+            return run_rounds(params, self.cfg, settings, loop, n, verify=kind == "verify", own=own)
 
-        return self._compile((kind, settings), run, self.params, loop_shape, counted, donate=(1,))
+        return self._compile((kind, settings), run, weights, loop_shape, counted, donate=(1,))
 
-    def _device_exec(self, settings: LoopSettings):
-        def run(params, prompt, length, max_new, eos_ids, sampler=None):
-            return generate_on_device(params, self.cfg, prompt, length, max_new, settings, eos_ids, sampler)
+    def _device_exec(self, settings: LoopSettings, weights: tuple):
+        def run(weights, prompt, length, max_new, eos_ids, sampler=None):
+            params, own = weights
+            return generate_on_device(params, self.cfg, prompt, length, max_new, settings, eos_ids, sampler, own)
 
-        return self._compile(("device", settings), run, self.params, *self._request_args(settings))
+        return self._compile(("device", settings), run, weights, *self._request_args(settings))
 
     # ------------------------------------------------------------------------------------------------ generate
     def request(self, prompt_ids, max_new_tokens: int | None = None, eos_id=None) -> Request:
@@ -321,19 +349,20 @@ class Engine:
         checks.instance(progress, bool, "progress", "True or False", optional=False)
         request = self.request(prompt_ids, max_new_tokens, eos_id)
         settings = self.settings(**setting)
+        weights = self.weights(settings.drafter)
         if settings not in self._memory_checked:
-            self._check_memory(self.params, settings)
+            self._check_memory(self.params, settings, own=weights[1])
             self._memory_checked.add(settings)
         padded = np.zeros((self.max_len,), np.int32)
         padded[: request.prompt.size] = request.prompt
         sampler = setting["sampler"]
         values = () if settings.sampling is None else (sampler.values(),)
-        args = (self.params, padded, np.int32(request.prompt.size), np.int32(request.max_new), request.eos, *values)
+        args = (weights, padded, np.int32(request.prompt.size), np.int32(request.max_new), request.eos, *values)
         stats = SpecStats(prompt_tokens=int(request.prompt.size), exact=settings.tie_guard.exact)
         stats.sampler = None if sampler is None else dataclasses.asdict(sampler)
         if on_device:
             stats.loop = "device"
-            run = self._device_exec(settings)
+            run = self._device_exec(settings, weights)
             start = time.perf_counter()
             out = jax.device_get(run(*args)).raise_if_error()
             stats.wall_time_s = time.perf_counter() - start
@@ -345,25 +374,28 @@ class Engine:
         return (yield from self._host_loop(settings, args, stats, progress, rounds_per_call, emit))
 
     def _host_loop(self, settings, args, stats: SpecStats, progress: bool, rounds_per_call: int, emit: bool):
-        start_exec = self._start_exec(settings)
+        weights = args[0]
+        start_exec = self._start_exec(settings, weights)
         loop_shape = start_exec.out_info
         prompt_len = int(args[2])
         plan = prefill_plan(prompt_len, settings.prefill_chunk)
-        prefill_execs = {size: self._loop_exec(f"prefill{size}", settings, loop_shape) for size, _ in plan}
-        first_exec = self._loop_exec("first", settings, loop_shape)
-        decode_exec = self._loop_exec("decode", settings, loop_shape)
-        verify_exec = self._loop_exec("verify", settings, loop_shape) if settings.drafter is not None else None
+        prefill_execs = {size: self._loop_exec(f"prefill{size}", settings, weights, loop_shape) for size, _ in plan}
+        first_exec = self._loop_exec("first", settings, weights, loop_shape)
+        decode_exec = self._loop_exec("decode", settings, weights, loop_shape)
+        verify_exec = None
+        if settings.drafter is not None:
+            verify_exec = self._loop_exec("verify", settings, weights, loop_shape)
         start = time.perf_counter()
         loop = start_exec(*args)
         bar = _progress_bar(prompt_len, "prefill", "tok") if progress and sum(n for _, n in plan) > 1 else None
         for size, count in plan:
             for n in [1] * count if bar else [count]:  # with a bar: one chunk per call, so the bar moves
-                loop = prefill_execs[size](self.params, loop, np.int32(n))
+                loop = prefill_execs[size](weights, loop, np.int32(n))
                 if bar is not None:
                     bar.update(int(jax.device_get(loop.prefilled)) - bar.n)
         if bar is not None:
             bar.close()
-        loop = first_exec(self.params, loop)
+        loop = first_exec(weights, loop)
         bar = _progress_bar(int(args[3]), "generating", "tok") if progress else None
         use_verify, stop, n_out = jax.device_get((loop.use_verify, loop.stop, loop.n_out))
         stats.prefill_time_s = time.perf_counter() - start
@@ -378,7 +410,7 @@ class Engine:
                 break
             t0 = time.perf_counter()
             kind_verify = bool(use_verify)
-            loop = (verify_exec if kind_verify else decode_exec)(self.params, loop, rounds)
+            loop = (verify_exec if kind_verify else decode_exec)(weights, loop, rounds)
             use_verify, stop, n_out = jax.device_get((loop.use_verify, loop.stop, loop.n_out))
             elapsed = time.perf_counter() - t0
             if kind_verify:

@@ -141,16 +141,25 @@ class Loop:
 
 
 def start_loop(
-    params: dict, cfg: ModelConfig, settings: LoopSettings, prompt: jax.Array, length, max_new, eos_ids, sampler=None
+    params: dict,
+    cfg: ModelConfig,
+    settings: LoopSettings,
+    prompt: jax.Array,
+    length,
+    max_new,
+    eos_ids,
+    sampler=None,
+    own=None,
 ):
     """prompt int32 [P] padded (P <= max_len), length int32 [] (1..P), max_new int32 [], eos_ids int32
     [MAX_EOS_IDS], sampler: SamplerValues (with settings.sampling) or None -> the Loop before prefill: a fresh
-    state holding the prompt, the drafter's empty state."""
+    state holding the prompt, the drafter's empty state. own: the drafter's own weights (`Drafter.weights`, a
+    runtime argument like params; None for a drafter without weights), here and in every stage below."""
     if (sampler is None) != (settings.sampling is None):
         raise ValueError("start_loop: pass sampler values exactly when settings.sampling is set")
     state = write_prompt(init_state(cfg, settings.max_len, jnp.dtype(settings.dtype)), prompt)
     if settings.drafter is not None:
-        state = dataclasses.replace(state, drafter=settings.drafter.init(params, cfg, state))
+        state = dataclasses.replace(state, drafter=settings.drafter.init(params, cfg, state, own=own))
     gate = settings.gate
     zero = jnp.zeros((), jnp.int32)
     return Loop(
@@ -170,24 +179,26 @@ def start_loop(
     )
 
 
-def _drafter_prefill(params, cfg: ModelConfig, settings: LoopSettings):
+def _drafter_prefill(params, cfg: ModelConfig, settings: LoopSettings, own):
     """after(loop, hidden, start, n_valid) for a chunk loop: the drafter's own prefill over the chunk's rows."""
 
     def after(lp: Loop, hidden, start, n_valid) -> Loop:
         if settings.drafter is None:
             return lp
-        mine = settings.drafter.prefill(params, cfg, lp.state, hidden, start, n_valid, lp.prompt_len)
+        mine = settings.drafter.prefill(params, cfg, lp.state, hidden, start, n_valid, lp.prompt_len, own=own)
         return dataclasses.replace(lp, state=dataclasses.replace(lp.state, drafter=mine))
 
     return after
 
 
-def prefill_rounds(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop, max_chunks, size: int) -> Loop:
+def prefill_rounds(
+    params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop, max_chunks, size: int, own=None
+) -> Loop:
     """Up to max_chunks (int32 []) prompt chunks of `size` positions (static: one of
     `chunk_sizes(settings.prefill_chunk)`; `jspec.steps.prefill_chunk`), each followed by the drafter's `prefill`
     over the chunk's hidden rows; stops when the prompt is in the cache."""
 
-    after = _drafter_prefill(params, cfg, settings)
+    after = _drafter_prefill(params, cfg, settings, own)
 
     def body(carry):
         lp, i = carry
@@ -205,7 +216,7 @@ def prefill_rounds(params: dict, cfg: ModelConfig, settings: LoopSettings, loop:
     return loop
 
 
-def first_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop) -> Loop:
+def first_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop, own=None) -> Loop:
     """After the last prompt chunk: commit the first generated token (the argmax after the prompt), then draft and
     gate the first round."""
     state, logits = finish_prefill(params, cfg, loop.state, loop.prompt_len)
@@ -220,15 +231,23 @@ def first_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Lo
         token = choose_rows(logits[None], length[None], mode, loop.sampler, seen)[0]
         state = dataclasses.replace(state, tokens=state.tokens.at[length].set(token))
     first = state.tokens[state.position][None]
-    return _finish_round(params, cfg, settings, loop, state, first, jnp.asarray(1, jnp.int32), None)
+    return _finish_round(params, cfg, settings, loop, state, first, jnp.asarray(1, jnp.int32), None, own)
 
 
 def prefill_round(
-    params: dict, cfg: ModelConfig, settings: LoopSettings, prompt: jax.Array, length, max_new, eos_ids, sampler=None
+    params: dict,
+    cfg: ModelConfig,
+    settings: LoopSettings,
+    prompt: jax.Array,
+    length,
+    max_new,
+    eos_ids,
+    sampler=None,
+    own=None,
 ) -> Loop:
     """The whole prefill on device: `start_loop`, every chunk (`jspec.steps.run_chunks`: full chunks, then the rest
     in the smallest shape that holds it), `first_round` -> the Loop the rounds continue."""
-    loop = start_loop(params, cfg, settings, prompt, length, max_new, eos_ids, sampler)
+    loop = start_loop(params, cfg, settings, prompt, length, max_new, eos_ids, sampler, own)
     loop, end = run_chunks(
         params,
         cfg,
@@ -236,11 +255,11 @@ def prefill_round(
         loop.prefilled,
         loop.prompt_len,
         settings.prefill_chunk,
-        _drafter_prefill(params, cfg, settings),
+        _drafter_prefill(params, cfg, settings, own),
         state_of=lambda lp: lp.state,
         put=lambda lp, st: dataclasses.replace(lp, state=st),
     )
-    return first_round(params, cfg, settings, dataclasses.replace(loop, prefilled=end))
+    return first_round(params, cfg, settings, dataclasses.replace(loop, prefilled=end), own)
 
 
 def _sample_tile(settings: LoopSettings, loop: Loop, tile: jax.Array, row_tokens: jax.Array) -> jax.Array:
@@ -263,7 +282,7 @@ def _chooser(settings: LoopSettings, loop: Loop):
     return lambda logits, position: choose_rows(logits[None], jnp.reshape(position, (1,)), mode, loop.sampler)[0]
 
 
-def decode_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop) -> Loop:
+def decode_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop, own=None) -> Loop:
     """One decode_step: commit its argmax (or the sampler's choice); record whether the pending draft would have
     hit."""
     if settings.sampling is None:
@@ -279,10 +298,10 @@ def decode_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: L
         c, decode_steps=c.decode_steps + 1, would_hits=c.would_hits + would_hit.astype(jnp.int32)
     )
     loop = dataclasses.replace(loop, counters=counters)
-    return _finish_round(params, cfg, settings, loop, state, token[None], jnp.asarray(1, jnp.int32), would_hit)
+    return _finish_round(params, cfg, settings, loop, state, token[None], jnp.asarray(1, jnp.int32), would_hit, own)
 
 
-def verify_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop) -> Loop:
+def verify_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop, own=None) -> Loop:
     """One verify_step over the pending token + draft: accept the matching prefix, commit, add the bonus token."""
     draft, n_valid = loop.draft, loop.n_valid
     guard = settings.tie_guard
@@ -315,10 +334,10 @@ def verify_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: L
     )
     committed = jnp.concatenate([draft, jnp.zeros((1,), jnp.int32)]).at[n_acc].set(token)
     loop = dataclasses.replace(loop, counters=counters)
-    return _finish_round(params, cfg, settings, loop, state, committed, n_acc + 1, n_acc > 0)
+    return _finish_round(params, cfg, settings, loop, state, committed, n_acc + 1, n_acc > 0, own)
 
 
-def _finish_round(params, cfg, settings: LoopSettings, loop: Loop, state: DecodeState, committed, n_new, hit):
+def _finish_round(params, cfg, settings: LoopSettings, loop: Loop, state: DecodeState, committed, n_new, hit, own):
     """Record the n_new committed tokens (stop at eos / budget / cache end), then draft and gate the next round."""
     is_eos = jnp.any(committed[:, None] == loop.eos_ids[None, :], axis=-1) & (jnp.arange(committed.shape[0]) < n_new)
     any_eos = jnp.any(is_eos)
@@ -336,7 +355,8 @@ def _finish_round(params, cfg, settings: LoopSettings, loop: Loop, state: Decode
     if settings.drafter is None:
         draft, n_valid = loop.draft, jnp.zeros((), jnp.int32)
     else:
-        mine, draft, n_valid = settings.drafter.propose(params, cfg, state, settings.k, _chooser(settings, loop))
+        choose = _chooser(settings, loop)
+        mine, draft, n_valid = settings.drafter.propose(params, cfg, state, settings.k, choose, own=own)
         state = dataclasses.replace(state, drafter=mine)
         # Commit no token past the budget or the cache: n accepted + the bonus must fit.
         room = jnp.minimum(loop.max_new - n_out, settings.max_len - state.position) - 1
@@ -407,7 +427,9 @@ def request_error(cfg: ModelConfig, settings: LoopSettings, prompt: jax.Array, p
     return sum(jnp.where(b, bit, 0) for b, bit in zip(broken, REQUEST_ERRORS, strict=True)).astype(jnp.int32)
 
 
-def run_rounds(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop, max_rounds, verify: bool) -> Loop:
+def run_rounds(
+    params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop, max_rounds, verify: bool, own=None
+) -> Loop:
     """Up to max_rounds (int32 []) rounds of one kind on device: verify rounds if `verify`, else decode rounds.
     Returns early when the generation stops or the loop asks for the other kind (`loop.use_verify`)."""
     round_fn = verify_round if verify else decode_round
@@ -418,7 +440,7 @@ def run_rounds(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loo
 
     def body(carry):
         lp, i = carry
-        return round_fn(params, cfg, settings, lp), i + 1
+        return round_fn(params, cfg, settings, lp, own), i + 1
 
     loop, _ = jax.lax.while_loop(more, body, (loop, jnp.zeros((), jnp.int32)))
     return loop
@@ -433,6 +455,7 @@ def generate_on_device(
     settings: LoopSettings,
     eos_ids=None,
     sampler=None,
+    drafter_params=None,
 ) -> DeviceGeneration:
     """The whole generation on device (`lax.while_loop`), jittable and callable inside a user's `jax.jit`.
 
@@ -440,8 +463,9 @@ def generate_on_device(
     int32 [] (>= 1, prompt_len + max_new_tokens <= max_len + 1), eos_ids: as `eos_array` (None: the model's own,
     (): none; static), or an int32 [MAX_EOS_IDS] array (-1 padded; traced is fine). sampler: a `jspec.Sampler`
     whose mode is settings.sampling (`engine.settings(sampler=...)`), or its `SamplerValues` (traced is fine: a new
-    seed or temperature compiles nothing); None for greedy settings. cfg and settings are static. Same rounds,
-    same tokens as the Engine.
+    seed or temperature compiles nothing); None for greedy settings. drafter_params: the weights of a drafter that
+    has its own (`jspec.DraftModel`: its `weights`; required then, a runtime argument, never a constant baked into
+    the executable), else None. cfg and settings are static. Same rounds, same tokens as the Engine.
 
     Errors: what is static (shapes, dtypes, settings, EOS ids) raises at trace time. The values, which inside jit
     may be traced, are checked on device (`request_error`): a request breaking a rule runs nothing and returns
@@ -453,13 +477,20 @@ def generate_on_device(
         raise TypeError(f"prompt must be a 1-D integer array, got {jnp.shape(prompt)} {jnp.result_type(prompt)}")
     if prompt.shape[0] > settings.max_len:
         raise ValueError(f"prompt array of {prompt.shape[0]} tokens is longer than max_len {settings.max_len}")
+    needs = getattr(settings.drafter, "weights", None) is not None
+    if needs != (drafter_params is not None):
+        raise ValueError(
+            "pass the drafter's weights as drafter_params=drafter.weights (a runtime argument)"
+            if needs
+            else "drafter_params given but the settings' drafter has no weights of its own"
+        )
     eos = eos_ids if isinstance(eos_ids, jax.Array) else eos_array(eos_ids, cfg)
     values = sampler_values(sampler, settings)
     prompt = jnp.asarray(prompt, jnp.int32)
     error = request_error(cfg, settings, prompt, prompt_len, max_new_tokens)
 
     def run(_):
-        return _generate(params, cfg, settings, prompt, prompt_len, max_new_tokens, eos, values)
+        return _generate(params, cfg, settings, prompt, prompt_len, max_new_tokens, eos, values, drafter_params)
 
     def refuse(_):
         empty = Counters.zeros(settings.k)
@@ -489,16 +520,16 @@ def sampler_values(sampler, settings: LoopSettings) -> SamplerValues | None:
     return sampler
 
 
-def _generate(params, cfg: ModelConfig, settings: LoopSettings, prompt, prompt_len, max_new_tokens, eos, sampler):
-    loop = prefill_round(params, cfg, settings, prompt, prompt_len, max_new_tokens, eos, sampler)
+def _generate(params, cfg: ModelConfig, settings: LoopSettings, prompt, prompt_len, max_new_tokens, eos, sampler, own):
+    loop = prefill_round(params, cfg, settings, prompt, prompt_len, max_new_tokens, eos, sampler, own)
 
     def body(loop: Loop) -> Loop:
         if settings.drafter is None:
-            return decode_round(params, cfg, settings, loop)
+            return decode_round(params, cfg, settings, loop, own)
         return jax.lax.cond(
             loop.use_verify,
-            lambda lp: verify_round(params, cfg, settings, lp),
-            lambda lp: decode_round(params, cfg, settings, lp),
+            lambda lp: verify_round(params, cfg, settings, lp, own),
+            lambda lp: decode_round(params, cfg, settings, lp, own),
             loop,
         )
 

@@ -26,13 +26,14 @@ from pallas_kernels import ROW_TILE
 # prompt's tail run in the smaller shapes of `chunk_sizes`, so a short prompt pays no 2048-row chunk.
 PREFILL_CHUNK = 2048
 CHUNK_SHAPES = 5  # at most: chunk, chunk / 2, ..., chunk / 16
-SMALLEST_CHUNK = 16
+SMALLEST_CHUNK = 128  # a chunk of 128 rows costs about what a shorter one does (the weights' read, not the rows)
 
 
 def chunk_sizes(chunk: int) -> tuple[int, ...]:
     """The chunk shapes of a prefill whose largest chunk is `chunk`, largest first: chunk and its halves, at most
-    CHUNK_SHAPES of them, none below SMALLEST_CHUNK (2048: 2048, 1024, 512, 256, 128). A prompt's tail pads to at
-    most twice its length (or 128). One executable per shape the host loop uses; all of them in the on-device one."""
+    CHUNK_SHAPES of them, none below SMALLEST_CHUNK (2048: 2048, 1024, 512, 256, 128; a chunk of 128 or less: itself
+    alone). A prompt's tail pads to at most twice its length (or 128). One executable per shape the host loop uses;
+    all of them in the on-device one."""
     sizes = [chunk]
     while len(sizes) < CHUNK_SHAPES and sizes[-1] // 2 >= SMALLEST_CHUNK:
         sizes.append(sizes[-1] // 2)

@@ -3,13 +3,24 @@
 `TINY_HF_CONFIGS` maps a variant name to (model_type, config kwargs); families are added by extending the dict.
 `build_tiny_hf_model(variant, out_dir)` builds the model with transformers' `from_config`, randomizes EVERY
 parameter (norm weights and biases included), and saves config.json + model.safetensors into out_dir.
+
+The suite compiles the same small programs many times (every Engine of a test compiles its own executables), so it
+shares XLA's persistent compilation cache across tests, workers and the subprocesses they start (notebooks, the
+CLI): a program compiled once is loaded the next time. A cached executable is the compiled program itself, so no
+result depends on it; JSPEC_TEST_JAX_CACHE="" turns it off.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
+
+_cache = os.environ.get("JSPEC_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "jspec-test-jax-cache"))
+if _cache:  # before jax is imported, so the environment reaches jax and every process the tests start
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 _DENSE_DIMS = dict(
     hidden_size=64,

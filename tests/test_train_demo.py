@@ -112,3 +112,27 @@ def test_gather_corpus_dedupes_and_splits(tmp_path):
     assert corpus.train and corpus.heldout and corpus.files_seen == 12
     with pytest.raises(FileNotFoundError, match="no Python files"):
         train_demo.gather_corpus([str(tmp_path / "missing")], 10**6)
+
+
+def test_drafter_distilled_from_the_demo_trainer_drafts_for_it(trained, corpus_root, tmp_path):
+    """checkpoints.train_drafter on the tiny demo model: the KL from the teacher falls, the stored drafter loads as
+    a jspec.DraftModel and drafting with it keeps the teacher's greedy tokens."""
+    import jspec
+    from checkpoints import train_drafter
+
+    out, _ = trained
+    teacher = os.path.join(out, "checkpoint")
+    argv = ["--out", str(tmp_path), "--minutes", "1", "--size", "tiny", "--teacher", teacher]
+    argv += ["--roots", str(corpus_root), "--heldout-permille", "300", "--batch", "4", "--seq-len", "32"]
+    argv += ["--lr", "1e-2", "--warmup", "5", "--max-steps", "40", "--eval-windows", "2"]
+    metrics = train_drafter.run(train_drafter.parse_args(argv))
+    curve = metrics["training"]["curve"]
+    assert curve[-1][1] < curve[0][1] - 0.5, curve  # KL from the teacher
+    assert 0.0 <= metrics["heldout"]["stored"]["top1"] <= 1.0
+    drafter = jspec.DraftModel.load(os.path.join(tmp_path, "checkpoint"))
+    assert drafter.params["embed"].dtype == np.dtype("bfloat16") and drafter.cfg.tie_word_embeddings
+    params, cfg = checkpoints.load(teacher)
+    engine = jspec.Engine(params, cfg, max_len=32, k=3)  # the models' trained context
+    prompt = list(range(1, 9))
+    out = engine.generate(prompt, 24, drafter=drafter, eos_id=())
+    assert out.tokens == engine.generate(prompt, 24, eos_id=()).tokens and out.stats.verify_steps > 0

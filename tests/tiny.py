@@ -76,13 +76,13 @@ class ScriptDrafter:
     vocab: int = 96
     k: int | None = None
 
-    def init(self, params, cfg, state):
+    def init(self, params, cfg, state, own=None):
         return None
 
-    def prefill(self, params, cfg, state, hidden, start, n_valid, length):
+    def prefill(self, params, cfg, state, hidden, start, n_valid, length, own=None):
         return None
 
-    def propose(self, params, cfg, state, k, choose=None):
+    def propose(self, params, cfg, state, k, choose=None, own=None):
         script = jnp.asarray(self.script + (0,) * (k + 1), jnp.int32)
         draft = jax.lax.dynamic_slice(script, (state.position + 1,), (k,))
         draft = (draft + self.offset) % self.vocab

@@ -15,6 +15,9 @@ class Drafter(Protocol):
     """A drafter is a frozen, hashable dataclass (it is part of the compiled executables' identity).
 
     k: its own draft length, or None to take the engine's k.
+    weights: the drafter's own weights (a pytree; `jspec.DraftModel`'s model), or None (the default when the
+      attribute is absent). They are a runtime argument of the executables, never part of the drafter's hash: the
+      engine passes them (prepared for its kernel backend) to every method as `own`; None for a drafter without.
     init: called before the prompt (state holds the prompt's tokens, nothing in the cache yet); returns the
       drafter's own empty state pytree (stored in DecodeState.drafter; None for a stateless drafter).
     prefill: called after every prompt chunk with the chunk's final-normed hidden rows [C, H] at positions
@@ -28,12 +31,20 @@ class Drafter(Protocol):
 
     k: int | None
 
-    def init(self, params: dict, cfg: ModelConfig, state: DecodeState) -> Any: ...
+    def init(self, params: dict, cfg: ModelConfig, state: DecodeState, own: Any = None) -> Any: ...
 
     def prefill(
-        self, params: dict, cfg: ModelConfig, state: DecodeState, hidden: jax.Array, start, n_valid, length
+        self,
+        params: dict,
+        cfg: ModelConfig,
+        state: DecodeState,
+        hidden: jax.Array,
+        start,
+        n_valid,
+        length,
+        own: Any = None,
     ) -> Any: ...
 
     def propose(
-        self, params: dict, cfg: ModelConfig, state: DecodeState, k: int, choose: Callable
+        self, params: dict, cfg: ModelConfig, state: DecodeState, k: int, choose: Callable, own: Any = None
     ) -> tuple[Any, jax.Array, jax.Array]: ...

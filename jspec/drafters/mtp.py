@@ -50,7 +50,7 @@ class MTPDrafter:
             checks.integer(self.k, "MTPDrafter k", lo=1, hi=ROW_TILE - 1)
         checks.instance(self.coupled, bool, "MTPDrafter coupled", "True or False", optional=False)
 
-    def init(self, params: dict, cfg: ModelConfig, state: DecodeState):
+    def init(self, params: dict, cfg: ModelConfig, state: DecodeState, own=None):
         """Empty KV caches, one per MTP layer, and the carry [layers - 1, H]."""
         num_layers = _num_layers(params, cfg)
         # Chain steps write a row tile at up to position max_len - 1 + (ROW_TILE - 2): room for that tile too.
@@ -58,7 +58,7 @@ class MTPDrafter:
         caches = tuple(kv_cache(cfg, length_rows, state.hidden.dtype) for _ in range(num_layers))
         return dict(cache=caches, carry=jnp.zeros((num_layers - 1, cfg.hidden_size), state.hidden.dtype))
 
-    def prefill(self, params: dict, cfg: ModelConfig, state: DecodeState, hidden, start, n_valid, length):
+    def prefill(self, params: dict, cfg: ModelConfig, state: DecodeState, hidden, start, n_valid, length, own=None):
         """Fill every MTP layer's KV cache over one prompt chunk (hidden [C, H] at positions start..start+C-1).
 
         Layer i's row t takes the token at t + i + 1 from the prompt; rows whose token lies past the prompt
@@ -79,7 +79,7 @@ class MTPDrafter:
                 carry = carry.at[i].set(jnp.where(held, row, carry[i]))
         return dict(cache=tuple(caches), carry=carry)
 
-    def propose(self, params: dict, cfg: ModelConfig, state: DecodeState, k: int, choose=None):
+    def propose(self, params: dict, cfg: ModelConfig, state: DecodeState, k: int, choose=None, own=None):
         """(drafter state, draft int32 [k], k): draft[i] = choose(MTP logits, its position state.position + 1 + i)
         (choose None: the argmax; the loop passes the sampler's choice for coupled drafting)."""
         choose = choose if choose is not None and self.coupled else _argmax

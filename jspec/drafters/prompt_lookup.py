@@ -34,13 +34,13 @@ class PromptLookup:
         if self.k is not None and self.k < 1:
             raise ValueError(f"PromptLookup k must be >= 1, got {self.k}")
 
-    def init(self, params, cfg: ModelConfig, state: DecodeState):
+    def init(self, params, cfg: ModelConfig, state: DecodeState, own=None):
         return None
 
-    def prefill(self, params, cfg: ModelConfig, state: DecodeState, hidden, start, n_valid, length):
+    def prefill(self, params, cfg: ModelConfig, state: DecodeState, hidden, start, n_valid, length, own=None):
         return None
 
-    def propose(self, params, cfg: ModelConfig, state: DecodeState, k: int, choose=None):
+    def propose(self, params, cfg: ModelConfig, state: DecodeState, k: int, choose=None, own=None):
         draft, n_valid = lookup(state.tokens, state.position, k, self.ngram_min, self.ngram_max)
         return None, draft, n_valid
 
