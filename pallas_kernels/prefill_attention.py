@@ -15,6 +15,8 @@ Backends (`pallas_kernels.backend`):
 - "reference" (CPU): the same online softmax in jnp, the whole chunk per key block, in a `fori_loop` whose trip
   count is the number of live key blocks; with a static start and shapes (a full forward) the loop is a scan,
   differentiable, its body rematerialized in the backward pass so a gradient stores no score blocks either.
+A full forward (a static start) is differentiable on every backend: the kernel's backward pass is the jnp path's
+(`checkpoints.train_demo` and `train_drafter` train through `jspec.models.dense.forward`).
 
 Prefill is outside the decode / verify bit-equality (greedy and speculative decoding share it): this path only
 has to be deterministic, which every backend is (fixed block order, no atomics).
@@ -55,7 +57,28 @@ def chunk_attention(q: jax.Array, kv: jax.Array, start, *, scale: float) -> jax.
     name = _backend.get_backend()
     if name == "reference":
         return _reference(q, kv, start, scale=scale)
+    if isinstance(start, int):  # a full forward: differentiable (training), the backward the jnp path's
+        return _differentiable_kernel(q, kv, start, float(scale), name == "interpret")
     return _kernel_call(q, kv, start, scale=scale, interpret=name == "interpret")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _differentiable_kernel(q, kv, start: int, scale: float, interpret: bool):
+    """The kernel with a static start, with a VJP: the kernel has none of its own, so the backward pass is the jnp
+    reference's (`_reference` recomputed from q and kv, its blocks rematerialized: no score matrix stored)."""
+    return _kernel_call(q, kv, start, scale=scale, interpret=interpret)
+
+
+def _differentiable_fwd(q, kv, start, scale, interpret):
+    return _differentiable_kernel(q, kv, start, scale, interpret), (q, kv)
+
+
+def _differentiable_bwd(start, scale, interpret, residuals, grad):
+    _, vjp = jax.vjp(lambda q, kv: _reference(q, kv, start, scale=scale), *residuals)
+    return vjp(grad)
+
+
+_differentiable_kernel.defvjp(_differentiable_fwd, _differentiable_bwd)
 
 
 def _pad_rows(x: jax.Array, multiple: int) -> jax.Array:

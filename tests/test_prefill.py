@@ -54,6 +54,29 @@ def test_chunk_attention_matches_a_dense_softmax(backend, dtype, start, rows, gr
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_a_full_forward_is_differentiable_on_every_backend(backend):
+    """The trainers differentiate `dense.forward`: the kernel's backward (the jnp path's) gives the gradient of a
+    dense softmax attention (float64 numpy, by central differences along one random direction)."""
+    rng = np.random.default_rng(0)
+    c, hkv, group, d = 24, 2, 2, 16
+    q = rng.standard_normal((c, hkv * group, d))
+    kv = rng.standard_normal((c, hkv, 2, d))
+    weights = rng.standard_normal((c, hkv * group, d))
+    direction = rng.standard_normal(q.shape), rng.standard_normal(kv.shape)
+
+    def loss(q, kv):
+        return jnp.sum(chunk_attention(q, kv, 0, scale=d**-0.5) * weights)
+
+    with use_backend(backend):
+        dq, dkv = jax.grad(loss, argnums=(0, 1))(jnp.asarray(q, jnp.float32), jnp.asarray(kv, jnp.float32))
+    got = np.sum(np.asarray(dq, np.float64) * direction[0]) + np.sum(np.asarray(dkv, np.float64) * direction[1])
+    eps = 1e-4
+    plus = np.sum(dense_softmax_attention(q + eps * direction[0], kv + eps * direction[1], 0) * weights)
+    minus = np.sum(dense_softmax_attention(q - eps * direction[0], kv - eps * direction[1], 0) * weights)
+    np.testing.assert_allclose(got, (plus - minus) / (2 * eps), rtol=1e-4)
+
+
 def _shapes(jaxpr):
     """Every intermediate shape of a (closed) jaxpr, sub-jaxprs of loops, conds and calls included."""
     for eqn in jaxpr.eqns:
