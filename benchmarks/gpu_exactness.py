@@ -1,5 +1,6 @@
 """GPU exactness run: step-level (verify row i == decode at p+i, bitwise) and end-to-end (speculative tokens ==
-greedy tokens) on mid-size random models with the compiled Pallas kernels. Writes one JSON.
+greedy tokens, with prompt lookup, MTP and draft models) on mid-size random models with the compiled Pallas kernels.
+Writes one JSON.
 
     python3 benchmarks/gpu_exactness.py --out results.json --commit SHA [--small]
 """
@@ -138,6 +139,14 @@ def main() -> int:
             # plain sampling with the same seed (the gated mode is left out: sampled text rarely repeats often enough
             # to open the gate, and a check without a verify round is vacuous).
             k = 7 if not cfg.num_mtp_layers else 3
+            # Draft models: a small random one of the other kind (dense for the hybrid target, hybrid for the
+            # dense one: drafts that rarely hit), and the target itself (every draft accepted).
+            other_cfg, other = model("llama" if family == "qwen3_next" else "qwen3_next", kind, True, E2E_VOCAB)
+            modes.update(
+                draft_model_host=dict(drafter=jspec.DraftModel(other, other_cfg)),
+                draft_model_device=dict(drafter=jspec.DraftModel(other, other_cfg), on_device=True),
+                self_draft_host=dict(drafter=jspec.DraftModel(e2e_params, e2e_cfg)),
+            )
             engine = jspec.Engine(e2e_params, e2e_cfg, max_len=512, k=k, prefill_chunk=64)
             echo = prompt + engine.generate(prompt, 48, eos_id=()).tokens + prompt
             greedy = engine.generate(echo, 96, eos_id=()).tokens

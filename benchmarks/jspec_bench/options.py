@@ -11,7 +11,7 @@ import tempfile
 import jspec_bench
 from jspec_bench.e2e import E2E_CONFIGS
 from jspec_bench.sections import SECTIONS
-from jspec_bench.shapes import ALL_MODELS
+from jspec_bench.shapes import ALL_MODELS, SHAPES
 from pallas_kernels import ROW_TILE
 
 
@@ -52,6 +52,8 @@ class Options:
     chunk_sweep_length: int = 8192
     long_prompt: int = 16384  # the echo prompt of the long-prompt speculation (0: skip)
     sampling_temperature: float = 0.7
+    draft_model: str = "llama-3.2-1b"  # the draft_model section's drafter (a SHAPES name)
+    draft_k: int = 4
 
     @property
     def prepare_arg(self) -> bool | None:
@@ -89,6 +91,8 @@ def parse_args(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
     ap.add_argument("--prefill-chunks", help="comma list: chunk sizes of the sweep (default 256,512,1024,2048)")
     ap.add_argument("--long-prompt", type=int, help="tokens of the long echo prompt (default 16384; 0: skip)")
     ap.add_argument("--sampling-temperature", type=float, help="the sampling section's temperature (default 0.7)")
+    ap.add_argument("--draft-model", choices=sorted(SHAPES), help="the draft_model section's drafter (llama-3.2-1b)")
+    ap.add_argument("--draft-k", type=int, help="the draft_model section's draft length (default 4)")
     ap.add_argument("--readme-table", metavar="RESULTS.json", help="print the README markdown table of a results JSON")
     ap.add_argument("--replot", metavar="RESULTS.json", help="draw the plots of a results JSON into --plots")
     args = ap.parse_args(argv)
@@ -124,7 +128,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
     if args.sections:
         opts.sections = _names(args.sections, SECTIONS, "--sections")
     fields = ("out", "plots", "budget_s", "commit", "k", "new_tokens", "repeats", "lm_head", "o_factor", "prepare",
-              "long_prompt", "sampling_temperature")  # fmt: skip
+              "long_prompt", "sampling_temperature", "draft_model", "draft_k")  # fmt: skip
     for field in (*fields, "compile_threads"):
         value = getattr(args, field)
         if value is not None:
@@ -151,7 +155,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
         opts.e2e_configs = _names(args.e2e_configs, tuple(c[0] for c in E2E_CONFIGS), "--e2e-configs")
     if "greedy/host" not in opts.e2e_configs:
         raise SystemExit("jspec bench: --e2e-configs must include greedy/host (the identity reference)")
-    for k in (*opts.ks, *opts.other_ks, opts.k):
+    for k in (*opts.ks, *opts.other_ks, opts.k, opts.draft_k):
         if not 1 <= k <= ROW_TILE - 1:
             raise SystemExit(f"jspec bench: draft length k={k} out of range 1..{ROW_TILE - 1}")
     if opts.compile_threads < 1 or opts.repeats < 1 or opts.new_tokens < 2:

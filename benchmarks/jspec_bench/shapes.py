@@ -77,6 +77,20 @@ SHAPES: dict[str, dict] = {
         max_position_embeddings=32768,
         tie_word_embeddings=False,
     ),
+    "llama-3.2-1b": dict(  # the draft_model section's drafter for llama-3-8b (rope scaling left out: shapes only)
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+    ),
 }
 # Quick mode (CPU, CI): every shape shrunk to this size, family features (bias, rope layout, post norms) kept.
 TINY = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
