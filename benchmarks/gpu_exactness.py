@@ -157,13 +157,13 @@ def main() -> int:
                 *((f"{m}_sampled", dict(kw, sampler=SAMPLER)) for m, kw in ungated.items()),
             ]:
                 r = engine.generate(echo, 96, eos_id=(), **kw)
-                print(f"  {family} {kind}: {name} done at {time.perf_counter() - t0:.0f} s", flush=True)
                 e2e[name] = dict(
                     identical=r.tokens == (sampled if "sampler" in kw else greedy),
                     verify_steps=r.stats.verify_steps,
                     mean_accepted=r.stats.mean_accepted,
                     vacuous=kw.get("drafter") is not None and r.stats.verify_steps == 0,
                 )
+                print(f"  {family} {kind}: {name} {e2e[name]} at {time.perf_counter() - t0:.0f} s", flush=True)
         ok = step_ok and all(v["identical"] and not v["vacuous"] for v in e2e.values())
         all_ok &= ok
         run = dict(
