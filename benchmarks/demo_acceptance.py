@@ -115,8 +115,9 @@ NOTES = (
     "Greedy tokens of every speculative run are compared with the greedy run of the same prompt (identical). "
     "Timings: host loop, after a warm-up generation; tokens_per_s includes prefill. per_position_acceptance is "
     "SpecStats' (a position no verify step of that run reached reads 0.0); summary values are means over prompts, "
-    "summary mean_accepted is pooled over verify steps. step_cost: host-loop time per decode step (greedy runs) "
-    "and per verify step (ungated runs, drafting included) for each k."
+    "summary mean_accepted is pooled over verify steps. step_cost: host-loop time per decode step (greedy runs), "
+    "per verify step (ungated prompt lookup and MTP runs, drafting included) for each k, and per draft-model round "
+    "(its verify step and its k draft-model steps)."
 )
 
 
@@ -236,16 +237,43 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def step_costs(runs: list[dict]) -> dict:
-    """Measured host-loop step times: decode (from the greedy runs) and verify per k (ungated runs)."""
+    """Measured host-loop step times: decode (from the greedy runs), verify per k (ungated runs of the drafters that
+    run no model of their own: prompt lookup, MTP) and a draft-model round per k (its verify step with its k
+    draft-model steps)."""
     greedy_steps = sum(r["greedy_decode_steps"] for r in runs)
     decode_ms = 1e3 * sum(r["greedy_decode_time_s"] for r in runs) / greedy_steps
-    verify_ms = {}
-    for k in sorted({r["k"] for r in runs}):
-        rows = [r for r in runs if r["k"] == k and r["verify_steps"] and r["drafter"] != "prompt_lookup_gated"]
-        steps = sum(r["verify_steps"] for r in rows)
-        if steps:
-            verify_ms[str(k)] = 1e3 * sum(r["verify_time_s"] for r in rows) / steps
-    return dict(decode_ms=decode_ms, verify_ms=verify_ms, source="host loop (SpecStats decode/verify time per step)")
+
+    def per_step(keep) -> dict:
+        out = {}
+        for k in sorted({r["k"] for r in runs}):
+            rows = [r for r in runs if r["k"] == k and r["verify_steps"] and keep(r["drafter"])]
+            steps = sum(r["verify_steps"] for r in rows)
+            if steps:
+                out[str(k)] = 1e3 * sum(r["verify_time_s"] for r in rows) / steps
+        return out
+
+    return dict(
+        decode_ms=decode_ms,
+        verify_ms=per_step(lambda d: d not in ("prompt_lookup_gated", "draft_model")),
+        draft_model_round_ms=per_step(lambda d: d == "draft_model"),
+        source="host loop (SpecStats decode/verify time per step)",
+    )
+
+
+def restat(path: str) -> None:
+    """Recompute a results file's derived fields (summary, sampling, step_cost) from its recorded runs, in place."""
+    with open(path) as f:
+        result = json.load(f)
+    runs = result["runs"]
+    temperatures = sorted({r["temperature"] for r in runs}, key=lambda t: -1 if t is None else t)
+    if temperatures == [None]:
+        result["summary"] = summarize(runs)
+    else:
+        result["sampling"] = {str(t): summarize([r for r in runs if r["temperature"] == t]) for t in temperatures}
+    result["step_cost"] = step_costs(runs)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"rewrote the summary and step costs of {path} from its {len(runs)} runs: {result['step_cost']}")
 
 
 def git_commit() -> str:
@@ -264,7 +292,8 @@ def git_commit() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="JSON output path")
+    p.add_argument("--out", help="JSON output path")
+    p.add_argument("--restat", metavar="RESULTS.json", help="recompute a results file's summary and step costs, exit")
     p.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
     p.add_argument("--checkpoint", help="jspec checkpoint dir with tokenizer.json (default: the bundled demo)")
     p.add_argument("--k", type=int, default=7, help="draft length for prompt lookup")
@@ -280,6 +309,11 @@ def main(argv=None) -> int:
     p.add_argument("--temperatures", help="comma list: sample at these temperatures instead of greedy decoding")
     p.add_argument("--seeds", type=int, default=3, help="seeds per prompt and temperature (with --temperatures)")
     args = p.parse_args(argv)
+    if args.restat:
+        restat(args.restat)
+        return 0
+    if not args.out:
+        p.error("--out is required (unless --restat)")
     temperatures = [float(t) for t in args.temperatures.split(",")] if args.temperatures else [None]
 
     ckpt = args.checkpoint or checkpoints.demo_dir()

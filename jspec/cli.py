@@ -151,12 +151,13 @@ def cmd_generate(args) -> int:
         print(f"prefilling {len(prompt)} prompt tokens...", file=sys.stderr, flush=True)
     run = dict(
         max_new_tokens=args.max_new_tokens,
-        gate=jspec.HitDensityGate() if args.gate else None,
+        gate=jspec.HitDensityGate() if (args.drafter == "prompt-lookup" if args.gate is None else args.gate) else None,
         eos_id=() if args.ignore_eos else model.eos_ids,
         on_device=args.on_device,
         sampler=sampler,
     )
     drafter = _drafter(args, draft_path)
+    engine.settings(drafter=drafter, gate=run["gate"], sampler=sampler)  # a draft model's vocabulary, before output
     text = read_prompt(args)
     out = {"checkpoint": path, "prompt_tokens": len(prompt), "drafter": args.drafter, "k": args.k}
     if draft_path:
@@ -265,7 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
                    f"(1..{ROW_TILE - 1})")  # fmt: skip
     g.add_argument("--max-new-tokens", type=positive(), default=128)
     g.add_argument("--max-len", type=positive(2), help="cache length (default: prompt + max-new-tokens)")
-    g.add_argument("--gate", action=argparse.BooleanOptionalAction, default=True, help="hit-density gate")
+    g.add_argument(
+        "--gate",
+        action=argparse.BooleanOptionalAction,
+        help="hit-density gate (default: on for prompt-lookup, whose drafts cost nothing; off for the drafters that "
+        "run a model, which would pay for drafts the gate does not verify)",
+    )
     g.add_argument("--on-device", action="store_true", help="run the whole loop on device")
     g.add_argument(
         "--compare-greedy",

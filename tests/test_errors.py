@@ -239,6 +239,15 @@ CLI_CASES = {
     "not a checkpoint": (["--checkpoint", "{root}"], "neither jspec.json .* nor config.json"),
     "broken jspec checkpoint": (["--checkpoint", "{truncated}"], "cannot read array 'params.embed'"),
     "quantize a jspec checkpoint": (["--quantize", "int4"], "apply to HuggingFace checkpoints"),
+    "draft model, no checkpoint": (
+        ["--checkpoint", "{no_mtp}", "--drafter", "draft-model"],
+        "needs --draft-checkpoint",
+    ),
+    "draft checkpoint alone": (["--draft-checkpoint", "{no_mtp}"], "is the draft model of --drafter draft-model"),
+    "draft model of another tokenizer": (
+        ["--drafter", "draft-model", "--draft-checkpoint", "{no_mtp}"],
+        "DraftModel: vocabulary of \\d+ tokens against the target's 8192",
+    ),
 }
 
 
@@ -266,9 +275,11 @@ def test_cli_convert_checks_the_target_first(bad_dirs, capsys):
 
 
 def test_cli_compare_greedy_times_warmed_runs(capsys):
+    """With the bundled draft model (`--drafter draft-model` on the demo model)."""
     argv = ["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "12", "--compare-greedy", "--json"]
-    assert cli.main(argv) == 0
+    assert cli.main([*argv, "--drafter", "draft-model"]) == 0
     out = json.loads(capsys.readouterr().out)
+    assert out["draft_checkpoint"].endswith("demo_drafter") and out["stats"]["verify_steps"] > 0
     assert out["greedy_identical"] and out["warmup_s_with_compile"] > 0 and out["speedup_vs_greedy"] > 0
     assert "first_call_s_with_compile" not in out  # the timed runs exclude compilation
 
