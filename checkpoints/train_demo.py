@@ -628,20 +628,27 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer", help="use this tokenizer.json instead of training one")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--tokenizer-files", type=int, default=4000, help="train files the tokenizer is trained on")
+    add_training_flags(p, max_corpus_mb=150.0, lr=2e-3, log_every=50, eval_windows=128)
+    p.add_argument("--eval-batch", type=int, default=16)
+    p.add_argument("--sample-tokens", type=int, default=96)
+    return p.parse_args(argv)
+
+
+def add_training_flags(
+    p: argparse.ArgumentParser, *, max_corpus_mb: float, lr: float, log_every: int, eval_windows: int
+):
+    """The corpus, schedule and evaluation flags this trainer shares with `checkpoints.train_drafter`."""
     p.add_argument("--roots", nargs="*", help="directories to read *.py from (default: stdlib + site-packages)")
-    p.add_argument("--max-corpus-mb", type=float, default=150.0)
+    p.add_argument("--max-corpus-mb", type=float, default=max_corpus_mb)
     p.add_argument("--heldout-permille", type=int, default=10, help="held-out share of files, per 1000")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=lr)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--max-steps", type=int, help="stop after this many steps (tests); default: by --minutes")
-    p.add_argument("--log-every", type=int, default=50)
-    p.add_argument("--eval-windows", type=int, default=128)
-    p.add_argument("--eval-batch", type=int, default=16)
-    p.add_argument("--sample-tokens", type=int, default=96)
+    p.add_argument("--log-every", type=int, default=log_every)
+    p.add_argument("--eval-windows", type=int, default=eval_windows)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
 
 
 def main(argv=None) -> None:

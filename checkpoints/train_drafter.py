@@ -224,17 +224,7 @@ def parse_args(argv=None):
     p.add_argument("--minutes", type=float, required=True, help="training time budget (the loop only)")
     p.add_argument("--teacher", help="the target checkpoint (default: the bundled demo model)")
     p.add_argument("--size", choices=sorted(DRAFTER_SIZES), default="drafter")
-    p.add_argument("--roots", nargs="*", help="directories to read *.py from (default: stdlib + site-packages)")
-    p.add_argument("--max-corpus-mb", type=float, default=60.0)
-    p.add_argument("--heldout-permille", type=int, default=10, help="held-out share of files, per 1000")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--max-steps", type=int, help="stop after this many steps (tests); default: by --minutes")
-    p.add_argument("--log-every", type=int, default=100)
-    p.add_argument("--eval-windows", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
+    train_demo.add_training_flags(p, max_corpus_mb=60.0, lr=3e-3, log_every=100, eval_windows=32)
     return p.parse_args(argv)
 
 

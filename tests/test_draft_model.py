@@ -1,6 +1,7 @@
 """DraftModel: a second model drafting inside the round with its own cache. Output == the target's plain output
-(greedy and sampled), for dense and hybrid targets and drafters, k 1 / 3 / 7, gate, host and device loop; a model
-drafting for itself is accepted in full (the wiring: its caches, catch-up and rewind, are right); bad input."""
+(greedy and sampled), every family as target and as drafter, k 1 / 3 / 7, host and device loop; a model drafting
+for itself is accepted in full, with and without the gate (the wiring: its caches, catch-up and rewind, are right);
+shared executables; bad input."""
 
 from __future__ import annotations
 
@@ -38,38 +39,47 @@ def draft(family: str, seed: int = 2, **overrides) -> jspec.DraftModel:
     return jspec.DraftModel(params, cfg)
 
 
-CASES = [  # (target, drafter family, k, gate, on_device, dtype): every family as target and as drafter
-    ("llama", "qwen2", 3, False, False, "float32"),
-    ("qwen2", "qwen3_next", 7, True, True, "bfloat16"),
-    ("qwen3_next", "llama", 1, False, True, "float32"),
-    ("glm4", "qwen3_5", 7, False, False, "bfloat16"),
-    ("qwen3_5", "glm4", 3, True, False, "float32"),
+CASES = [  # (target, drafter family, k, on_device, dtype, sampled): every family as target and as drafter
+    ("llama", "qwen2", 3, False, "float32", False),
+    ("qwen2", "qwen3_next", 7, True, "bfloat16", True),
+    ("qwen3_next", "glm4", 1, True, "float32", True),
+    ("glm4", "qwen3_5", 7, False, "bfloat16", False),
+    ("qwen3_5", "llama", 3, False, "float32", False),
 ]
 
 
-@pytest.mark.parametrize("target,drafter,k,gated,on_device,dtype", CASES)
-def test_draft_model_speculation_equals_plain_decoding(target, drafter, k, gated, on_device, dtype):
+@pytest.mark.parametrize("target,drafter,k,on_device,dtype,sampled", CASES)
+def test_draft_model_speculation_equals_plain_decoding(target, drafter, k, on_device, dtype, sampled):
+    """Greedy, and (sampled) the same seed's plain sampling, with drafting coupled to the position-keyed noise. The
+    random drafters' drafts rarely hit, so every round verifies and rejects: the rewind path, every round."""
     eng = engine(target, k, dtype)
-    gate = jspec.HitDensityGate(window=4, min_hits=1) if gated else None
     d = draft(drafter)
     greedy = eng.generate(PROMPT, 30, eos_id=()).tokens
-    out = eng.generate(PROMPT, 30, eos_id=(), drafter=d, gate=gate, on_device=on_device)
-    assert out.tokens == greedy and (out.stats.verify_steps > 0 or gated)
-    sampler = jspec.Sampler(temperature=0.8, seed=5)
-    plain = eng.generate(PROMPT, 30, eos_id=(), sampler=sampler).tokens
-    assert eng.generate(PROMPT, 30, eos_id=(), sampler=sampler, drafter=d, on_device=on_device).tokens == plain
+    out = eng.generate(PROMPT, 30, eos_id=(), drafter=d, on_device=on_device)
+    assert out.tokens == greedy and out.stats.verify_steps > 0
+    if sampled:
+        sampler = jspec.Sampler(temperature=0.8, seed=5)
+        plain = eng.generate(PROMPT, 30, eos_id=(), sampler=sampler).tokens
+        assert eng.generate(PROMPT, 30, eos_id=(), sampler=sampler, drafter=d, on_device=on_device).tokens == plain
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3_next"])
-def test_a_model_drafting_for_itself_is_accepted_in_full(family):
+@pytest.mark.parametrize("family,gated", [("qwen2", False), ("qwen3_next", True)])
+def test_a_model_drafting_for_itself_is_accepted_in_full(family, gated):
     """Its drafts are the target's own tokens (the same step arithmetic), so every verify accepts all k: the draft
-    caches, the catch-up of the bonus token and the rewind to the accepted prefix are right."""
+    caches, the catch-up of the bonus token and the rewind to the accepted prefix are right. With the gate: decode
+    rounds (which still draft) until the first hit opens it."""
     k = 3
     params, cfg = model(family, 1)
     eng = engine(family, k)
-    out = eng.generate(PROMPT, 1 + 6 * (k + 1), eos_id=(), drafter=jspec.DraftModel(params, cfg))
-    assert out.tokens == eng.generate(PROMPT, 1 + 6 * (k + 1), eos_id=()).tokens
-    assert out.stats.verify_steps == 6 and out.stats.mean_accepted == k + 1
+    gate = jspec.HitDensityGate(window=4, min_hits=1) if gated else None
+    n = 1 + 6 * (k + 1)
+    out = eng.generate(PROMPT, n, eos_id=(), drafter=jspec.DraftModel(params, cfg), gate=gate)
+    assert out.tokens == eng.generate(PROMPT, n, eos_id=()).tokens
+    if gated:
+        assert out.stats.decode_steps >= 1 and out.stats.verify_steps >= 4  # the gate opened after a decode round
+        assert out.stats.accepted == out.stats.drafted  # every draft accepted (the last one cut to the budget)
+    else:
+        assert out.stats.verify_steps == 6 and out.stats.mean_accepted == k + 1
 
 
 def test_draft_weights_are_runtime_arguments():
@@ -95,3 +105,10 @@ def test_vocabularies_may_differ_by_padding_rows_only():
         jspec.DraftModel.load("/no/such/checkpoint")
     with pytest.raises(ValueError, match="differs from the engine's k"):
         eng.generate(PROMPT, 12, drafter=dataclasses.replace(draft("llama"), k=2))
+    settings, prompt = eng.settings(drafter=draft("llama")), jnp.asarray(PROMPT + [0] * 11)
+    with pytest.raises(ValueError, match="drafter_params=drafter.weights"):  # never a constant in the executable
+        jspec.generate_on_device(eng.params, eng.cfg, prompt, len(PROMPT), 8, settings, eos_ids=())
+    with pytest.raises(ValueError, match="has no weights of its own"):
+        jspec.generate_on_device(
+            eng.params, eng.cfg, prompt, len(PROMPT), 8, eng.settings(), eos_ids=(), drafter_params=eng.params
+        )

@@ -37,7 +37,7 @@ prompts = st.one_of(
 )
 
 
-@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     family=st.sampled_from(FAMILIES),
     dtype=st.sampled_from(["float32", "bfloat16"]),

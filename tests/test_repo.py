@@ -29,4 +29,5 @@ def test_readme_main_command_runs_jspec_generate_on_the_default_model():
 
 def test_cli_parses_generate():
     args = build_parser().parse_args(["generate", "--prompt", "x", "--drafter", "none", "--k", "3", "--json"])
-    assert args.k == 3 and args.drafter == "none" and args.json and args.gate
+    assert args.k == 3 and args.drafter == "none" and args.json and args.gate is None  # None: the drafter decides
+    assert build_parser().parse_args(["generate", "--prompt", "x", "--no-gate"]).gate is False
