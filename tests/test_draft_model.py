@@ -91,6 +91,8 @@ def test_draft_weights_are_runtime_arguments():
     second = eng.generate(PROMPT, 20, eos_id=(), drafter=b)
     assert eng.num_compiles == compiles and a == b and hash(a) == hash(b)
     assert first.tokens == second.tokens and first.stats.accepted != second.stats.accepted
+    bf16 = jspec.DraftModel(*model("llama", 2, "bfloat16"))  # another layout: executables of its own
+    assert bf16 != a and eng.generate(PROMPT, 20, eos_id=(), drafter=bf16).tokens == first.tokens
 
 
 def test_vocabularies_may_differ_by_padding_rows_only():

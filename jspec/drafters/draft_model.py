@@ -6,7 +6,8 @@ target's bonus token, and the last draft token when every draft was accepted) an
 (k - 1 more one-row steps), each drafted with the target's own choice (`choose`: the argmax, or the position-keyed
 sample: coupled drafting). After a verify it keeps the rows of the draft tokens that were accepted, so it never
 re-runs a token: the next round starts where the accepted prefix ends. Its weights are a runtime argument of the
-executables (`own`), never constants in them: a DraftModel is hashed and compared by its config and k alone.
+executables (`own`), never constants in them: a DraftModel is hashed and compared by its config, k and the weights'
+layout (tree, shapes, dtypes), never their values.
 
 Drafter state: cache (the draft family's cache over the target's positions), base int32 [] (the position of the
 first draft of the last round: rows < base hold real tokens), drafts int32 [k] (the last round's draft), saved
@@ -48,6 +49,9 @@ class DraftModel:
     params: Any = dataclasses.field(compare=False, hash=False, repr=False)
     cfg: ModelConfig
     k: int | None = None
+    # The weights' tree, shapes and dtypes (not their values): two drafters differing in these (int4 or dense,
+    # float32 or bfloat16) need executables of their own.
+    layout: tuple = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
         checks.instance(self.cfg, ModelConfig, "DraftModel cfg", "a jspec.ModelConfig", optional=False)
@@ -57,6 +61,9 @@ class DraftModel:
             )
         if self.k is not None:
             checks.integer(self.k, "DraftModel k", lo=1, hi=ROW_TILE - 1)
+        leaves, tree = jax.tree.flatten(self.params)
+        shapes = tuple((tuple(jnp.shape(x)), jnp.result_type(x).name) for x in leaves)
+        object.__setattr__(self, "layout", (str(tree), shapes))
 
     @classmethod
     def load(cls, checkpoint: str | os.PathLike, k: int | None = None, **load_options) -> DraftModel:
