@@ -498,15 +498,7 @@ def model_card(m: dict) -> str:
 
 
 def run(args) -> dict:
-    log_path = os.path.join(args.out, "train.log")
-    os.makedirs(args.out, exist_ok=True)
-
-    def log(msg: str):
-        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-        print(line, flush=True)
-        with open(log_path, "a") as f:
-            f.write(line + "\n")
-
+    log = file_logger(args.out)
     t_start = time.perf_counter()
     roots = args.roots or python_roots()
     corpus = gather_corpus(roots, int(args.max_corpus_mb * 1e6), heldout_permille=args.heldout_permille, seed=args.seed)
@@ -608,12 +600,31 @@ def run(args) -> dict:
         jax_version=jax.__version__,
         total_seconds=time.perf_counter() - t_start,
     )
-    with open(os.path.join(args.out, "metrics.json"), "w") as f:
+    write_outputs(args.out, ckpt, metrics, model_card(metrics), log)
+    return metrics
+
+
+def file_logger(out_dir: str):
+    """log(msg): print msg with the time and append it to out_dir/train.log (out_dir is created)."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "train.log")
+
+    def log(msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        print(line, flush=True)
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+    return log
+
+
+def write_outputs(out_dir: str, ckpt: str, metrics: dict, card: str, log) -> None:
+    """out_dir/metrics.json and ckpt/MODEL_CARD.md (the trainers' last step)."""
+    with open(os.path.join(out_dir, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=1)
     with open(os.path.join(ckpt, "MODEL_CARD.md"), "w") as f:
-        f.write(model_card(metrics))
+        f.write(card)
     log(f"done in {metrics['total_seconds']:.0f} s")
-    return metrics
 
 
 def parse_args(argv=None):

@@ -16,7 +16,6 @@ Pipeline (one command, time-budgeted), reusing `checkpoints.train_demo`'s corpus
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -142,15 +141,7 @@ def model_card(m: dict) -> str:
 
 
 def run(args) -> dict:
-    os.makedirs(args.out, exist_ok=True)
-    log_path = os.path.join(args.out, "train.log")
-
-    def log(msg: str):
-        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-        print(line, flush=True)
-        with open(log_path, "a") as f:
-            f.write(line + "\n")
-
+    log = train_demo.file_logger(args.out)
     t_start = time.perf_counter()
     teacher_dir = args.teacher or checkpoints.demo_dir()
     teacher_int4, teacher_cfg = checkpoints.load(teacher_dir)
@@ -210,11 +201,7 @@ def run(args) -> dict:
         jax_version=jax.__version__,
         total_seconds=time.perf_counter() - t_start,
     )
-    with open(os.path.join(args.out, "metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=1)
-    with open(os.path.join(ckpt, "MODEL_CARD.md"), "w") as f:
-        f.write(model_card(metrics))
-    log(f"done in {metrics['total_seconds']:.0f} s")
+    train_demo.write_outputs(args.out, ckpt, metrics, model_card(metrics), log)
     return metrics
 
 
