@@ -260,17 +260,25 @@ def step_costs(runs: list[dict]) -> dict:
     )
 
 
+def derived(runs: list[dict], temperatures: list) -> dict:
+    """The fields a results file derives from its runs: summary (greedy) or sampling (per temperature), step_cost."""
+    greedy = temperatures == [None]
+    return dict(
+        summary=summarize(runs) if greedy else None,
+        sampling=None
+        if greedy
+        else {str(t): summarize([r for r in runs if r["temperature"] == t]) for t in temperatures},
+        step_cost=step_costs(runs),
+    )
+
+
 def restat(path: str) -> None:
-    """Recompute a results file's derived fields (summary, sampling, step_cost) from its recorded runs, in place."""
+    """Recompute a results file's derived fields (`derived`) from its recorded runs, in place."""
     with open(path) as f:
         result = json.load(f)
     runs = result["runs"]
-    temperatures = sorted({r["temperature"] for r in runs}, key=lambda t: -1 if t is None else t)
-    if temperatures == [None]:
-        result["summary"] = summarize(runs)
-    else:
-        result["sampling"] = {str(t): summarize([r for r in runs if r["temperature"] == t]) for t in temperatures}
-    result["step_cost"] = step_costs(runs)
+    temperatures = list(dict.fromkeys(r["temperature"] for r in runs))  # in the order they ran
+    result.update(derived(runs, temperatures))
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"rewrote the summary and step costs of {path} from its {len(runs)} runs: {result['step_cost']}")
@@ -368,11 +376,7 @@ def main(argv=None) -> int:
         max_len=args.max_len,
         all_identical=all(r["identical"] for r in runs),
         notes=NOTES,
-        summary=summarize(runs) if temperatures == [None] else None,
-        sampling=None
-        if temperatures == [None]
-        else {str(t): summarize([r for r in runs if r["temperature"] == t]) for t in temperatures},
-        step_cost=step_costs(runs),
+        **derived(runs, temperatures),
         runs=runs,
     )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

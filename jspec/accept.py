@@ -14,6 +14,13 @@ import jax.numpy as jnp
 from jspec import checks
 
 
+def greedy_choice(logits: jax.Array, position) -> jax.Array:
+    """The `choose(logits [V], position)` of greedy decoding (a drafter's, `jspec.drafters.base.Drafter.propose`):
+    the argmax, int32 []; the position is not used."""
+    del position
+    return jnp.argmax(logits).astype(jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class TieGuard:
     """Near-tie handling at the first rejected draft position.

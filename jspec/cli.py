@@ -149,9 +149,10 @@ def cmd_generate(args) -> int:
     engine = model.engine(max_len, args.k)
     if len(prompt) > 4 * engine.prefill_chunk and not args.json:
         print(f"prefilling {len(prompt)} prompt tokens...", file=sys.stderr, flush=True)
+    gated = args.drafter == "prompt-lookup" if args.gate is None else args.gate  # default: prompt lookup only
     run = dict(
         max_new_tokens=args.max_new_tokens,
-        gate=jspec.HitDensityGate() if (args.drafter == "prompt-lookup" if args.gate is None else args.gate) else None,
+        gate=jspec.HitDensityGate() if gated else None,
         eos_id=() if args.ignore_eos else model.eos_ids,
         on_device=args.on_device,
         sampler=sampler,

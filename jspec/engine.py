@@ -176,7 +176,7 @@ class Engine:
     def _check_memory(self, params, settings: LoopSettings, prepared_weights: int = 0, own=None) -> None:
         """Raise MemoryBudgetError if a generation with these settings would not fit (`jspec.memory`)."""
         shapes = jax.eval_shape(
-            lambda p, o, *request: start_loop(p, self.cfg, settings, *self._pad_request(settings, request), own=o),
+            lambda p, o, *request: start_loop(p, self.cfg, settings, *request, own=o),
             params,
             own,
             *self._request_args(settings),
@@ -212,12 +212,7 @@ class Engine:
             return args
         return (*args, jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), Sampler().values()))
 
-    @staticmethod
-    def _pad_request(settings: LoopSettings, request: tuple) -> tuple:
-        """A request's arguments for the loop's functions (sampler None when greedy)."""
-        return request if settings.sampling is not None else (*request, None)
-
-    def weights(self, drafter) -> tuple:
+    def _weights(self, drafter) -> tuple:
         """The executables' runtime weights: (params, the drafter's own weights or None). The drafter's are prepared
         as the Engine's `prepare` decides for its own dtype (`resolve_prepare`); the last drafter's prepared copy is
         kept, so a drafter reused across requests is prepared once."""
@@ -349,7 +344,7 @@ class Engine:
         checks.instance(progress, bool, "progress", "True or False", optional=False)
         request = self.request(prompt_ids, max_new_tokens, eos_id)
         settings = self.settings(**setting)
-        weights = self.weights(settings.drafter)
+        weights = self._weights(settings.drafter)
         if settings not in self._memory_checked:
             self._check_memory(self.params, settings, own=weights[1])
             self._memory_checked.add(settings)

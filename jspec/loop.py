@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import checks
-from jspec.accept import TieGuard, accept_chosen, greedy_accept, near_tie, tolerant_accept
+from jspec.accept import TieGuard, accept_chosen, greedy_accept, greedy_choice, near_tie, tolerant_accept
 from jspec.config import ModelConfig
 from jspec.gate import HitDensityGate
 from jspec.sampling import Sampler, SamplerValues, SamplingMode, choose_rows, seen_rows
@@ -277,7 +277,7 @@ def _chooser(settings: LoopSettings, loop: Loop):
     position-keyed choice the target makes (coupled drafting: the draft then equals the sample whenever the
     drafter's distribution is close; it never changes the output). The repetition penalty is left to the target."""
     if settings.sampling is None:
-        return lambda logits, position: jnp.argmax(logits).astype(jnp.int32)
+        return greedy_choice
     mode = dataclasses.replace(settings.sampling, penalty=False)
     return lambda logits, position: choose_rows(logits[None], jnp.reshape(position, (1,)), mode, loop.sampler)[0]
 

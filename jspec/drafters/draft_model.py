@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec import checks
+from jspec.accept import greedy_choice
 from jspec.config import ModelConfig
 from jspec.models import family_module
 from jspec.models.layers import logits as logits_from_hidden
@@ -121,7 +122,7 @@ class DraftModel:
 
     def propose(self, params, cfg: ModelConfig, state: DecodeState, k: int, choose=None, own=None):
         """Catch up on the unprocessed tokens (1 or 2), then draft k tokens; see the module docstring."""
-        choose = choose or _argmax
+        choose = choose or greedy_choice
         mine = state.drafter
         family = family_module(self.cfg)
         pending = state.position  # the target's pending token sits here
@@ -158,11 +159,6 @@ class DraftModel:
         if z.shape[0] >= cfg.vocab_size:
             return z[: cfg.vocab_size]
         return jnp.pad(z, (0, cfg.vocab_size - z.shape[0]), constant_values=-jnp.inf)
-
-
-def _argmax(logits: jax.Array, position) -> jax.Array:
-    del position
-    return jnp.argmax(logits).astype(jnp.int32)
 
 
 def _save(saved: tuple, cache: tuple, index, slot) -> tuple:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec import checks
+from jspec.accept import greedy_choice
 from jspec.config import ModelConfig
 from jspec.models.dense import kv_cache
 from jspec.models.layers import Run
@@ -82,7 +83,7 @@ class MTPDrafter:
     def propose(self, params: dict, cfg: ModelConfig, state: DecodeState, k: int, choose=None, own=None):
         """(drafter state, draft int32 [k], k): draft[i] = choose(MTP logits, its position state.position + 1 + i)
         (choose None: the argmax; the loop passes the sampler's choice for coupled drafting)."""
-        choose = choose if choose is not None and self.coupled else _argmax
+        choose = choose if choose is not None and self.coupled else greedy_choice
         num_layers = min(k, _num_layers(params, cfg))  # layers past k are never used
         if k + num_layers > ROW_TILE:
             raise ValueError(
@@ -142,11 +143,6 @@ class MTPDrafter:
         else:
             carry = state.drafter["carry"]
         return dict(cache=tuple(caches), carry=carry), draft, jnp.asarray(k, jnp.int32)
-
-
-def _argmax(logits: jax.Array, position) -> jax.Array:
-    del position
-    return jnp.argmax(logits).astype(jnp.int32)
 
 
 def _num_layers(params: dict, cfg: ModelConfig) -> int:
