@@ -16,8 +16,9 @@ the request): their parameters and the seed, so a new seed or temperature compil
 
 Exact thresholds without a sort: top-k keeps the logits >= the k-th largest (ties kept, as TopKLogitsWarper), top-p
 keeps the tokens whose probability mass strictly above theirs is < top_p (TopPLogitsWarper's set; a tie group at
-the cut is kept whole), each found by a 16-way search over the float32 bit patterns: `SEARCH_PASSES` fused
-reductions over the row, never a prefix of the vocabulary that might cut the nucleus.
+the cut is kept whole), each found by `pallas_kernels.threshold.smallest_passing`: a 16-way search over the float32
+bit patterns, eight passes over the whole row (one kernel launch each on the GPU), never a prefix of the
+vocabulary that might cut the nucleus.
 """
 
 from __future__ import annotations
@@ -29,9 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import checks
-
-SEARCH_WAYS = 16  # candidate thresholds per pass of the threshold search
-SEARCH_PASSES = 8  # each pass cuts the bracket to ceil(1/16) of itself: 2 ** 32 bit patterns -> one in 8
+from pallas_kernels.threshold import order_key, smallest_passing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,54 +103,14 @@ class Sampler:
 
 
 # ------------------------------------------------------------------------------------------- the processors
-def _order_key(x: jax.Array) -> jax.Array:
-    """float32 -> uint32 whose unsigned order is x's order (-inf lowest)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
-
-
-def _from_order_key(u: jax.Array) -> jax.Array:
-    bits = jnp.where(u >> 31 == 1, u & jnp.uint32(0x7FFFFFFF), ~u)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def _smallest_passing(x: jax.Array, passes, lo: jax.Array, hi: jax.Array) -> jax.Array:
-    """Per row of x [R, V]: the smallest threshold (a float32 value, searched over its bit patterns in the order
-    key range (lo, hi]) for which passes(x, thresholds [R, J]) -> bool [R, J] holds, given it is monotone (false
-    ... true) and holds at hi. lo, hi: uint32 [R] order keys. Each of the SEARCH_PASSES passes evaluates
-    J = SEARCH_WAYS - 1 thresholds in one reduction over x broadcast to [R, V, J] (on the H200 at V = 128256 a
-    top-p took 166 us of GPU kernels so, 308 us as J sibling row reductions: benchmarks/results/
-    bench_sampling_h200.json, bench_prefill_h200.json)."""
-    ways = jnp.arange(1, SEARCH_WAYS, dtype=jnp.uint32)
-
-    def narrow(_, bounds):
-        lo, hi = bounds
-        span = hi - lo
-        step = jnp.maximum(span // SEARCH_WAYS + (span % SEARCH_WAYS != 0).astype(jnp.uint32), 1)  # ceil
-        cand = jnp.minimum(lo[:, None] + step[:, None] * ways[None, :], hi[:, None])  # [R, J-1], ascending
-        ok = passes(x, _from_order_key(cand))
-        # the first passing candidate bounds from above; the last failing one from below
-        first = jnp.argmax(ok, axis=1)
-        any_ok = jnp.any(ok, axis=1)
-        new_hi = jnp.where(any_ok, jnp.take_along_axis(cand, first[:, None], 1)[:, 0], hi)
-        last_fail = jnp.where(any_ok, first - 1, SEARCH_WAYS - 2)
-        new_lo = jnp.where(last_fail >= 0, jnp.take_along_axis(cand, jnp.maximum(last_fail, 0)[:, None], 1)[:, 0], lo)
-        return new_lo, new_hi
-
-    _, hi = jax.lax.fori_loop(0, SEARCH_PASSES, narrow, (lo, hi))
-    return _from_order_key(hi)
-
-
 def _top_k(z: jax.Array, k: jax.Array) -> jax.Array:
     """z [R, V] with everything below the k-th largest (ties kept) set to -inf; k >= 1 (k >= V: nothing cut)."""
     k = jnp.minimum(k, z.shape[1])
-
-    def fewer_than_k_above(x, t):  # count(x >= t) < k: true from just above the k-th largest value
-        return jnp.sum(x[:, :, None] >= t[:, None, :], axis=1) < k
-
-    top = _order_key(jnp.max(z, axis=1))
-    bottom = _order_key(jnp.min(z, axis=1))
-    above = _smallest_passing(z, fewer_than_k_above, bottom, top + 1)  # the next value above the k-th largest
+    top = order_key(jnp.max(z, axis=1))
+    bottom = order_key(jnp.min(z, axis=1))
+    # count(z >= t) < k holds from just above the k-th largest value: the search finds that next value up
+    limit = jnp.broadcast_to(k.astype(jnp.float32), top.shape)
+    above = smallest_passing(z, limit, bottom, top + 1, weighted=False, strict=False)
     kth = jnp.max(jnp.where(z < above[:, None], z, -jnp.inf), axis=1)  # the k-th largest itself
     return jnp.where(z >= kth[:, None], z, -jnp.inf)
 
@@ -163,12 +122,10 @@ def _softmax(z: jax.Array) -> jax.Array:
 def _top_p(z: jax.Array, top_p: jax.Array) -> jax.Array:
     """Keep the tokens whose probability mass strictly above theirs is < top_p (the most probable always)."""
     p = _softmax(z)
-
-    def mass_above_is_small(x, t):  # sum(x > t) < top_p: true from the smallest kept probability on
-        return jnp.sum(jnp.where(x[:, :, None] > t[:, None, :], x[:, :, None], 0.0), axis=1) < top_p
-
-    top = _order_key(jnp.max(p, axis=1))
-    threshold = _smallest_passing(p, mass_above_is_small, _order_key(jnp.zeros_like(top, jnp.float32)), top)
+    top = order_key(jnp.max(p, axis=1))
+    limit = jnp.broadcast_to(top_p.astype(jnp.float32), top.shape)
+    # mass(p > t) < top_p holds from the smallest kept probability on
+    threshold = smallest_passing(p, limit, order_key(jnp.zeros_like(top, jnp.float32)), top, weighted=True, strict=True)
     return jnp.where(p >= threshold[:, None], z, -jnp.inf)
 
 

@@ -2,8 +2,10 @@
 
 1. The sampler alone: `jspec.sampling.choose_rows` on a [ROW_TILE, V] float32 logits tile, V = 128256 and 152064
    (the Llama-3 and Qwen2.5 vocabularies), per processor set; jitted, median time per call of chained calls, and
-   under the XLA profiler its GPU kernel time.
-2. In the step: the host loop's decode rounds greedy and sampled (no drafter), ms per token, prefill excluded.
+   under the XLA profiler its GPU kernel time. On the GPU once per kernel backend: the threshold search as Pallas
+   launches (what the engine runs there) and as XLA reductions (`pallas_kernels.threshold`'s reference), A/B.
+2. In the step: the host loop's decode rounds greedy and sampled (no drafter), ms per token, prefill excluded;
+   the median of `REPEATS` runs of each, interleaved.
 3. End to end with prompt lookup at --sampling-temperature: tok/s against plain sampling with the same seed, and the
    tokens compared. The prompt is the e2e section's echo construction with the sampled continuation S of a filler
    prompt echoed; both prompts end at the same position, so (the model being Markov, attention zeroed) the sample
@@ -29,7 +31,7 @@ from jspec_bench.report import Context
 from jspec_bench.shapes import scale_attention_output
 from jspec_bench.steps import _load_model
 from jspec_bench.timing import kernel_times, profile
-from pallas_kernels import ROW_TILE
+from pallas_kernels import ROW_TILE, get_backend, use_backend
 
 SAMPLERS = {
     "temperature": Sampler(temperature=0.7),
@@ -40,15 +42,20 @@ SAMPLERS = {
 }
 
 
-def sampler_cost(vocab: int, sampler: Sampler, calls: int) -> dict:
-    """Seconds per `choose_rows` call on a random [ROW_TILE, vocab] tile (and the GPU kernel time of one call)."""
+REPEATS = 3
+
+
+def sampler_cost(vocab: int, sampler: Sampler, calls: int, backend: str) -> dict:
+    """Seconds per `choose_rows` call on a random [ROW_TILE, vocab] tile with the given kernel backend (and the GPU
+    kernel time of one call)."""
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.standard_normal((ROW_TILE, vocab)) * 4, jnp.float32)
     seen = jnp.asarray(rng.random((ROW_TILE, vocab)) < 0.01)
     values = sampler.values()
     positions = jnp.arange(100, 100 + ROW_TILE, dtype=jnp.int32)
     fn = jax.jit(lambda z, p, s: choose_rows(z, p, sampler.mode, values, s if sampler.mode.penalty else None))
-    jax.block_until_ready(fn(logits, positions, seen))
+    with use_backend(backend):
+        jax.block_until_ready(fn(logits, positions, seen))  # traced (and compiled) under the backend
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
@@ -69,13 +76,20 @@ def section_sampling(ctx: Context, sec: dict) -> None:
     opts = ctx.opts
     calls = 3 if opts.quick else 50
     vocabs = (2048,) if opts.quick else (128256, 152064)
+    backends = (get_backend(), "reference") if get_backend() == "pallas" else (get_backend(),)
+    sec["backends"] = list(backends)  # the first is the engine's
     sec["sampler_alone"] = {}
     for vocab in vocabs:
         for label, sampler in SAMPLERS.items():
-            r = sec["sampler_alone"][f"{label} V={vocab}"] = sampler_cost(vocab, sampler, calls)
-            kernels = r.get("gpu_kernels", {}).get("kernel_us")
-            gpu = f", GPU kernels {kernels:.0f} us" if kernels else ""
-            print(f"  sampler {label} V={vocab}: {r['time_s'] * 1e6:.0f} us per call{gpu}", flush=True)
+            r = sec["sampler_alone"][f"{label} V={vocab}"] = {}
+            for backend in backends:
+                r[backend] = sampler_cost(vocab, sampler, calls, backend)
+                kernels = r[backend].get("gpu_kernels", {}).get("kernel_us")
+                gpu = f", GPU kernels {kernels:.0f} us" if kernels else ""
+                print(
+                    f"  sampler {label} V={vocab} ({backend}): {r[backend]['time_s'] * 1e6:.0f} us per call{gpu}",
+                    flush=True,
+                )
     name = opts.e2e_model
     why = ctx.budget.why_not(20.0 if opts.quick else 120.0, "sampling in the step and end to end")
     if why or name not in opts.models:
@@ -105,9 +119,20 @@ def section_sampling(ctx: Context, sec: dict) -> None:
         }
 
     step = sec["in_step"] = {}
-    _, step["greedy"] = run(filler)
-    for label in ("temperature", "top_p 0.9"):
-        _, step[label] = run(filler, sampler=dataclasses.replace(SAMPLERS[label], seed=opts.seed))
+    in_step = {"greedy": None, **{label: SAMPLERS[label] for label in ("temperature", "top_k 50", "top_p 0.9")}}
+    trials = {label: [] for label in in_step}
+    for _ in range(REPEATS):
+        for label, s in in_step.items():
+            kwargs = {} if s is None else {"sampler": dataclasses.replace(s, seed=opts.seed)}
+            trials[label].append(run(filler, **kwargs)[1])
+    for label, runs in trials.items():
+        ms = statistics.median(r["ms_per_token"] for r in runs)
+        step[label] = {
+            "ms_per_token": ms,
+            "decode_tok_s": 1e3 / ms,
+            "trials_ms_per_token": [r["ms_per_token"] for r in runs],
+        }
+    for label in list(in_step)[1:]:
         step[label]["extra_ms_per_token"] = step[label]["ms_per_token"] - step["greedy"]["ms_per_token"]
         step[label]["extra_fraction"] = step[label]["extra_ms_per_token"] / step["greedy"]["ms_per_token"]
         print(

@@ -24,7 +24,7 @@ def evaluate_targets(data: dict) -> list[dict]:
             met, detail = None, "not evaluated: a quick run's tiny CPU shapes say nothing about the H200 targets"
         unit = (
             "fraction"
-            if "roofline" in name
+            if "roofline" in name or "of a decode step" in name
             else "tok/s"
             if "tok/s" in name
             else "count"
@@ -95,6 +95,25 @@ def evaluate_targets(data: dict) -> list[dict]:
         if best_loop is None
         else f"{best_loop} loop (median over prompts), {greedy[best_loop] / gpt_fast:.2f}x gpt-fast int4 "
         "(external reference, docs/performance.md)",
+    )
+    sampling = secs.get("sampling", {})
+    greedy_ms = sampling.get("in_step", {}).get("greedy", {}).get("ms_per_token")
+    engine_backend = (sampling.get("backends") or [None])[0]
+    costs = {
+        label: r[engine_backend]["time_s"]
+        for label, r in sampling.get("sampler_alone", {}).items()
+        if label.startswith(("top_k", "top_p", "min_p", "temperature")) and engine_backend in r
+    }
+    worst = max(costs, key=costs.get) if costs and greedy_ms else None
+    add(
+        f"the sampler costs < 3% of a decode step ({sampling.get('model')})",
+        TARGETS["sampler_over_decode_step"],
+        None if worst is None else 1e3 * costs[worst] / greedy_ms,
+        None if worst is None else 1e3 * costs[worst] / greedy_ms < TARGETS["sampler_over_decode_step"],
+        "not measured"
+        if worst is None
+        else f"the costliest processor, {worst} ({engine_backend}): {costs[worst] * 1e6:.0f} us per call alone "
+        f"against the greedy step's {greedy_ms:.3f} ms",
     )
     recompiles = e2e.get("compiles_after_warmup")
     add(
