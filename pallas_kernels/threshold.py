@@ -22,6 +22,7 @@ other in the last bit of a mass sum (summation order), so a platform uses one of
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,8 +33,16 @@ from pallas_kernels.backend import get_backend
 
 WAYS = 16  # candidate thresholds per pass (the last one is the bracket's top)
 PASSES = 8  # WAYS ** PASSES = 2 ** 32: one bit pattern left
-BLOCK = 1024  # vocabulary entries per loop step of a program
-CHUNKS = 16  # programs per row at most (a power of two: the partials' block is [CHUNKS, WAYS])
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """block: vocabulary entries per loop step of a program (a power of two); chunks: programs per row at most (a
+    power of two); num_warps: Triton's. A function of nothing but itself: the rows never choose it."""
+
+    block: int = 256
+    chunks: int = 16
+    num_warps: int = 4
 
 
 def order_key(x: jax.Array) -> jax.Array:
@@ -70,9 +79,10 @@ def _stat(x, t, *, weighted: bool, strict: bool):
     return jnp.sum(jnp.where(hit, x if weighted else 1.0, 0.0), axis=-2)
 
 
-def smallest_passing(x, limit, lo, hi, *, weighted: bool, strict: bool, backend: str | None = None):
+def smallest_passing(x, limit, lo, hi, *, weighted: bool, strict: bool, backend: str | None = None, config=None):
     """Per row of x [R, V] float32: the smallest float32 t in the order-key bracket (lo, hi] (uint32 [R]; the test
-    must fail at lo and hold at hi) with stat(t) < limit (float32 [R]); see the module docstring. -> float32 [R]."""
+    must fail at lo and hold at hi) with stat(t) < limit (float32 [R]); see the module docstring. -> float32 [R].
+    config: the kernel's `Config` (benchmarks; default Config())."""
     backend = backend or get_backend()
     lo, hi, limit = lo[:, None], hi[:, None], limit.astype(jnp.float32)[:, None]
     if backend == "reference":
@@ -81,20 +91,23 @@ def smallest_passing(x, limit, lo, hi, *, weighted: bool, strict: bool, backend:
             stat = _stat(x[:, :, None], from_order_key(cand)[:, None, :], weighted=weighted, strict=strict)
             lo, hi = narrow(lo, hi, cand, stat < limit)
         return from_order_key(hi[:, 0])
-    return _search_kernels(x, limit, lo, hi, weighted=weighted, strict=strict, interpret=backend == "interpret")
+    cfg = config or Config()
+    return _search_kernels(
+        x, limit, lo, hi, weighted=weighted, strict=strict, cfg=cfg, interpret=backend == "interpret"
+    )
 
 
-def _layout(vocab: int) -> tuple[int, int]:
+def _layout(vocab: int, cfg: Config) -> tuple[int, int]:
     """(chunks per row, blocks per chunk) for a vocabulary: a function of V alone (never of the rows)."""
-    blocks = pl.cdiv(vocab, BLOCK)
-    chunks = min(CHUNKS, 1 << (blocks - 1).bit_length())
+    blocks = pl.cdiv(vocab, cfg.block)
+    chunks = min(cfg.chunks, 1 << (blocks - 1).bit_length())
     return chunks, pl.cdiv(blocks, chunks)
 
 
-def _search_kernels(x, limit, lo, hi, *, weighted, strict, interpret):
+def _search_kernels(x, limit, lo, hi, *, weighted, strict, cfg, interpret):
     rows, vocab = x.shape
-    chunks, blocks = _layout(vocab)
-    width = chunks * blocks * BLOCK
+    chunks, blocks = _layout(vocab, cfg)
+    width = chunks * blocks * cfg.block
     # padding never counts: weighted thresholds are > 0 (lo >= the key of 0.0), count thresholds > the row minimum
     pad = 0.0 if weighted else -jnp.inf
     x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, width - vocab)), constant_values=pad)
@@ -111,6 +124,7 @@ def _search_kernels(x, limit, lo, hi, *, weighted, strict, interpret):
             weighted=weighted,
             strict=strict,
             blocks=blocks,
+            cfg=cfg,
             interpret=interpret,
         )
     lo, hi = lo[:, :1], hi[:, :1]
@@ -119,17 +133,19 @@ def _search_kernels(x, limit, lo, hi, *, weighted, strict, interpret):
     return from_order_key(hi[:, 0])
 
 
-def _search_pass(x, limit, lo, hi, partial_, *, first, weighted, strict, blocks, interpret):
+def _search_pass(x, limit, lo, hi, partial_, *, first, weighted, strict, blocks, cfg, interpret):
     """One launch: finish the previous pass (unless first), then this pass's partial stats [R, chunks, WAYS]."""
     rows, chunks = lo.shape
-    kernel = functools.partial(_pass_kernel, first=first, weighted=weighted, strict=strict, blocks=blocks)
+    kernel = functools.partial(
+        _pass_kernel, first=first, weighted=weighted, strict=strict, blocks=blocks, block=cfg.block
+    )
     row_scalar = pl.BlockSpec((1, 1), lambda r, c: (r, 0))
     mine = pl.BlockSpec((1, 1), lambda r, c: (r, c))
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
 
-        compiler_params = pltriton.CompilerParams(num_warps=4, num_stages=2)
+        compiler_params = pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=2)
     return pl.pallas_call(
         kernel,
         grid=(rows, chunks),
@@ -138,7 +154,7 @@ def _search_pass(x, limit, lo, hi, partial_, *, first, weighted, strict, blocks,
             row_scalar,
             row_scalar,
             pl.BlockSpec((1, chunks, WAYS), lambda r, c: (r, 0, 0)),
-            pl.BlockSpec((1, blocks * BLOCK), lambda r, c: (r, c)),
+            pl.BlockSpec((1, blocks * cfg.block), lambda r, c: (r, c)),
         ],
         out_specs=[mine, mine, pl.BlockSpec((1, 1, WAYS), lambda r, c: (r, c, 0))],
         out_shape=[
@@ -153,20 +169,35 @@ def _search_pass(x, limit, lo, hi, partial_, *, first, weighted, strict, blocks,
 
 
 def _pass_kernel(
-    limit_ref, lo_ref, hi_ref, partial_ref, x_ref, lo_out, hi_out, partial_out, *, first, weighted, strict, blocks
+    limit_ref,
+    lo_ref,
+    hi_ref,
+    partial_ref,
+    x_ref,
+    lo_out,
+    hi_out,
+    partial_out,
+    *,
+    first,
+    weighted,
+    strict,
+    blocks,
+    block,
 ):
     """One program (row r, chunk c). limit/lo/hi refs [1, 1]; partial_ref [1, chunks, WAYS] (the previous pass);
-    x_ref [1, blocks * BLOCK]; outputs: this pass's bracket [1, 1] and the chunk's stats [1, 1, WAYS]."""
+    x_ref [1, blocks * block]; outputs: this pass's bracket [1, 1] and the chunk's stats [1, 1, WAYS]. The stats
+    accumulate per lane ([block, WAYS], block after block) and are reduced across lanes once, at the end."""
     lo, hi = lo_ref[...], hi_ref[...]
     if not first:
         ok = jnp.sum(partial_ref[0], axis=0, keepdims=True) < limit_ref[...]  # [1, WAYS]
         lo, hi = narrow(lo, hi, candidates(lo, hi), ok)
     t = from_order_key(candidates(lo, hi))  # [1, WAYS]
 
-    def block(b, acc):
-        xb = x_ref[0, pl.ds(pl.multiple_of(b * BLOCK, BLOCK), BLOCK)]
-        return acc + _stat(xb[:, None], t, weighted=weighted, strict=strict)[None, :]
+    def step(b, acc):
+        xb = x_ref[0, pl.ds(pl.multiple_of(b * block, block), block)][:, None]  # [block, 1]
+        hit = xb > t if strict else xb >= t
+        return acc + jnp.where(hit, xb if weighted else 1.0, 0.0)
 
-    acc = jax.lax.fori_loop(0, blocks, block, jnp.zeros((1, WAYS), jnp.float32))
+    acc = jax.lax.fori_loop(0, blocks, step, jnp.zeros((block, WAYS), jnp.float32))
     lo_out[...], hi_out[...] = lo, hi
-    partial_out[...] = acc[:, None, :]
+    partial_out[...] = jnp.sum(acc, axis=0, keepdims=True)[:, None, :]

@@ -116,7 +116,7 @@ def test_threshold_kernel_is_row_exact_and_exact(weighted):
     over a vocabulary of several chunks; it is the smallest passing float (the test fails one bit pattern below);
     the reference search agrees."""
     rng = np.random.default_rng(1)
-    vocab = 3 * threshold.BLOCK + 77  # four chunks, the last one padded
+    vocab = 3 * threshold.Config().block + 77  # four chunks, the last one padded
     x = rng.standard_normal((ROW_TILE, vocab)).astype(np.float32) * 3
     if weighted:
         x = np.asarray(softmax(x))
