@@ -57,7 +57,7 @@ def main() -> None:
                 out = fn(p)
             jax.block_until_ready(out)
             times.append((time.perf_counter() - t0) / 50)
-        kernels = kernel_times(profile(lambda: jax.block_until_ready(fn(p))), 1)
+        kernels = kernel_times(profile(lambda fn=fn: jax.block_until_ready(fn(p))), 1)
         row = {
             "config": "reference" if cfg is None else dataclasses.asdict(cfg),
             "time_us": 1e6 * statistics.median(times),
