@@ -37,12 +37,13 @@ PASSES = 8  # WAYS ** PASSES = 2 ** 32: one bit pattern left
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """block: vocabulary entries per loop step of a program (a power of two); chunks: programs per row at most (a
-    power of two); num_warps: Triton's. A function of nothing but itself: the rows never choose it."""
+    """block: vocabulary entries per loop step of a program (a power of two); steps: loop steps per program (the
+    vocabulary is cut into ceil(V / (block * steps)) chunks, one program per row and chunk); num_warps: Triton's.
+    A function of nothing but itself: the rows never choose it."""
 
-    block: int = 256
-    chunks: int = 16
-    num_warps: int = 4
+    block: int = 1024
+    steps: int = 1
+    num_warps: int = 8
 
 
 def order_key(x: jax.Array) -> jax.Array:
@@ -98,20 +99,21 @@ def smallest_passing(x, limit, lo, hi, *, weighted: bool, strict: bool, backend:
 
 
 def _layout(vocab: int, cfg: Config) -> tuple[int, int]:
-    """(chunks per row, blocks per chunk) for a vocabulary: a function of V alone (never of the rows)."""
+    """(chunks per row, loop steps per chunk) for a vocabulary: a function of V alone (never of the rows)."""
     blocks = pl.cdiv(vocab, cfg.block)
-    chunks = min(cfg.chunks, 1 << (blocks - 1).bit_length())
-    return chunks, pl.cdiv(blocks, chunks)
+    steps = min(cfg.steps, blocks)
+    return pl.cdiv(blocks, steps), steps
 
 
 def _search_kernels(x, limit, lo, hi, *, weighted, strict, cfg, interpret):
     rows, vocab = x.shape
-    chunks, blocks = _layout(vocab, cfg)
-    width = chunks * blocks * cfg.block
+    chunks, steps = _layout(vocab, cfg)
+    width = chunks * steps * cfg.block
     # padding never counts: weighted thresholds are > 0 (lo >= the key of 0.0), count thresholds > the row minimum
     pad = 0.0 if weighted else -jnp.inf
     x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, width - vocab)), constant_values=pad)
-    partial_ = jnp.zeros((rows, chunks, WAYS), jnp.float32)
+    # the partial stats' block is a power of two long; the slots past `chunks` are never written and never read
+    partial_ = jnp.zeros((rows, 1 << (chunks - 1).bit_length(), WAYS), jnp.float32)
     lo, hi = jnp.broadcast_to(lo, (rows, chunks)), jnp.broadcast_to(hi, (rows, chunks))
     for i in range(PASSES):
         lo, hi, partial_ = _search_pass(
@@ -123,21 +125,22 @@ def _search_kernels(x, limit, lo, hi, *, weighted, strict, cfg, interpret):
             first=i == 0,
             weighted=weighted,
             strict=strict,
-            blocks=blocks,
+            steps=steps,
             cfg=cfg,
             interpret=interpret,
         )
     lo, hi = lo[:, :1], hi[:, :1]
     cand = candidates(lo, hi)
-    _, hi = narrow(lo, hi, cand, jnp.sum(partial_, axis=1) < limit)
+    _, hi = narrow(lo, hi, cand, jnp.sum(partial_[:, :chunks], axis=1) < limit)
     return from_order_key(hi[:, 0])
 
 
-def _search_pass(x, limit, lo, hi, partial_, *, first, weighted, strict, blocks, cfg, interpret):
-    """One launch: finish the previous pass (unless first), then this pass's partial stats [R, chunks, WAYS]."""
+def _search_pass(x, limit, lo, hi, partial_, *, first, weighted, strict, steps, cfg, interpret):
+    """One launch: finish the previous pass (unless first), then this pass's partial stats [R, P, WAYS] (P: the
+    chunks rounded up to a power of two)."""
     rows, chunks = lo.shape
     kernel = functools.partial(
-        _pass_kernel, first=first, weighted=weighted, strict=strict, blocks=blocks, block=cfg.block
+        _pass_kernel, first=first, weighted=weighted, strict=strict, chunks=chunks, steps=steps, block=cfg.block
     )
     row_scalar = pl.BlockSpec((1, 1), lambda r, c: (r, 0))
     mine = pl.BlockSpec((1, 1), lambda r, c: (r, c))
@@ -153,14 +156,14 @@ def _search_pass(x, limit, lo, hi, partial_, *, first, weighted, strict, blocks,
             row_scalar,
             row_scalar,
             row_scalar,
-            pl.BlockSpec((1, chunks, WAYS), lambda r, c: (r, 0, 0)),
-            pl.BlockSpec((1, blocks * cfg.block), lambda r, c: (r, c)),
+            pl.BlockSpec((1, partial_.shape[1], WAYS), lambda r, c: (r, 0, 0)),
+            pl.BlockSpec((1, steps * cfg.block), lambda r, c: (r, c)),
         ],
         out_specs=[mine, mine, pl.BlockSpec((1, 1, WAYS), lambda r, c: (r, c, 0))],
         out_shape=[
             jax.ShapeDtypeStruct((rows, chunks), jnp.uint32),
             jax.ShapeDtypeStruct((rows, chunks), jnp.uint32),
-            jax.ShapeDtypeStruct((rows, chunks, WAYS), jnp.float32),
+            jax.ShapeDtypeStruct(partial_.shape, jnp.float32),
         ],
         interpret=interpret,
         compiler_params=compiler_params,
@@ -181,23 +184,29 @@ def _pass_kernel(
     first,
     weighted,
     strict,
-    blocks,
+    chunks,
+    steps,
     block,
 ):
-    """One program (row r, chunk c). limit/lo/hi refs [1, 1]; partial_ref [1, chunks, WAYS] (the previous pass);
-    x_ref [1, blocks * block]; outputs: this pass's bracket [1, 1] and the chunk's stats [1, 1, WAYS]. The stats
-    accumulate per lane ([block, WAYS], block after block) and are reduced across lanes once, at the end."""
+    """One program (row r, chunk c). limit/lo/hi refs [1, 1]; partial_ref [1, P, WAYS] (the previous pass; slots
+    from `chunks` on unwritten); x_ref [1, steps * block]; outputs: this pass's bracket [1, 1] and the chunk's stats
+    [1, 1, WAYS]. The stats accumulate per lane ([block, WAYS], step after step), reduced across lanes at the end."""
     lo, hi = lo_ref[...], hi_ref[...]
     if not first:
-        ok = jnp.sum(partial_ref[0], axis=0, keepdims=True) < limit_ref[...]  # [1, WAYS]
+        parts = partial_ref[0]  # [P, WAYS]
+        live = jax.lax.broadcasted_iota(jnp.int32, parts.shape, 0) < chunks
+        ok = jnp.sum(jnp.where(live, parts, 0.0), axis=0, keepdims=True) < limit_ref[...]  # [1, WAYS]
         lo, hi = narrow(lo, hi, candidates(lo, hi), ok)
     t = from_order_key(candidates(lo, hi))  # [1, WAYS]
 
-    def step(b, acc):
-        xb = x_ref[0, pl.ds(pl.multiple_of(b * block, block), block)][:, None]  # [block, 1]
-        hit = xb > t if strict else xb >= t
-        return acc + jnp.where(hit, xb if weighted else 1.0, 0.0)
+    def stats(xb):  # [block] -> [block, WAYS]
+        hit = xb[:, None] > t if strict else xb[:, None] >= t
+        return jnp.where(hit, xb[:, None] if weighted else 1.0, 0.0)
 
-    acc = jax.lax.fori_loop(0, blocks, step, jnp.zeros((block, WAYS), jnp.float32))
+    if steps == 1:
+        acc = stats(x_ref[0, :])
+    else:
+        step = lambda b, acc: acc + stats(x_ref[0, pl.ds(pl.multiple_of(b * block, block), block)])  # noqa: E731
+        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block, WAYS), jnp.float32))
     lo_out[...], hi_out[...] = lo, hi
     partial_out[...] = jnp.sum(acc, axis=0, keepdims=True)[:, None, :]

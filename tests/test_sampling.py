@@ -110,13 +110,14 @@ def test_ties_at_the_cut(backend):
     assert (theirs <= kept).all() and theirs[:3].all()
 
 
+@pytest.mark.parametrize("cfg", [threshold.Config(), threshold.Config(block=256, steps=3)])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_threshold_kernel_is_row_exact_and_exact(weighted):
+def test_threshold_kernel_is_row_exact_and_exact(weighted, cfg):
     """The Pallas threshold search (interpreted): each row's threshold is the same bits alone as in a 16-row tile,
     over a vocabulary of several chunks; it is the smallest passing float (the test fails one bit pattern below);
     the reference search agrees."""
     rng = np.random.default_rng(1)
-    vocab = 3 * threshold.Config().block + 77  # four chunks, the last one padded
+    vocab = 4096 + 77  # (default config) five chunks in a partials block of eight; the last chunk padded
     x = rng.standard_normal((ROW_TILE, vocab)).astype(np.float32) * 3
     if weighted:
         x = np.asarray(softmax(x))
@@ -134,6 +135,7 @@ def test_threshold_kernel_is_row_exact_and_exact(weighted):
                 weighted=weighted,
                 strict=weighted,
                 backend=backend,
+                config=cfg,
             )
         )
 

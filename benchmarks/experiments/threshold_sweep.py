@@ -1,6 +1,6 @@
 """The threshold search's kernel configurations on the H200: top-p's search over a [16, V] probability tile.
 
-For each `pallas_kernels.threshold.Config` (block, chunks, num_warps) and the XLA reference: median seconds per call
+For each `pallas_kernels.threshold.Config` (block, steps, num_warps) and the XLA reference: median seconds per call
 of chained calls and, under the XLA profiler, the GPU kernel time; every configuration's thresholds compared bit
 for bit with the default's (the configuration changes the partial-sum order, so equality is reported, not
 assumed). Run on the GPU from the repository root:
@@ -37,8 +37,8 @@ def main() -> None:
     lo = threshold.order_key(jnp.zeros((ROW_TILE,), jnp.float32))
     hi = threshold.order_key(jnp.max(p, axis=1))
     configs = [None] + [
-        threshold.Config(block=b, chunks=c, num_warps=w)
-        for b, c, w in itertools.product((128, 256, 512), (8, 16, 32), (2, 4, 8))
+        threshold.Config(block=b, steps=s, num_warps=w)
+        for b, s, w in itertools.product((512, 1024, 2048), (1, 2, 4), (4, 8, 16))
     ]
     results, default = [], None
     for cfg in configs:
