@@ -263,12 +263,18 @@ def prefill_round(
 
 
 def _sample_tile(settings: LoopSettings, loop: Loop, tile: jax.Array, row_tokens: jax.Array) -> jax.Array:
-    """The sampler's choice for every row of a step's logits tile [ROW_TILE, V] (int32 [ROW_TILE]): row r's token
-    takes position state.position + 1 + r. The whole tile in decode and verify alike (docs/design.md, rule 8);
-    the barrier keeps XLA from narrowing the computation to the rows a step uses (rule 7)."""
+    """The sampler's choice for the first k + 1 rows of a step's logits tile [ROW_TILE, V] (int32 [k + 1]), the
+    rows a verify can use: row r's token takes position state.position + 1 + r. Those rows in decode and verify
+    alike, so the same shapes (docs/design.md, rule 8); the tile passes a barrier before the cut and the choice one
+    after it, so XLA narrows neither to the rows a step uses (rule 7). (The rows past k + 1 are never read: sampling
+    them cost a 16-row tile's search, +4-6% of an 8B-shape step at top-p, bench_sampling_h200.json.)"""
     state = loop.state  # before the step: position p, history[0..p]
-    positions = state.position + 1 + jnp.arange(tile.shape[0], dtype=jnp.int32)
-    seen = seen_rows(state.tokens, state.position, row_tokens, tile.shape[1]) if settings.sampling.penalty else None
+    rows = settings.k + 1
+    tile = jax.lax.optimization_barrier(tile)[:rows]
+    positions = state.position + 1 + jnp.arange(rows, dtype=jnp.int32)
+    seen = (
+        seen_rows(state.tokens, state.position, row_tokens[:rows], tile.shape[1]) if settings.sampling.penalty else None
+    )
     return jax.lax.optimization_barrier(choose_rows(tile, positions, settings.sampling, loop.sampler, seen))
 
 

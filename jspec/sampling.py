@@ -16,9 +16,8 @@ the request): their parameters and the seed, so a new seed or temperature compil
 
 Exact thresholds without a sort: top-k keeps the logits >= the k-th largest (ties kept, as TopKLogitsWarper), top-p
 keeps the tokens whose probability mass strictly above theirs is < top_p (TopPLogitsWarper's set; a tie group at
-the cut is kept whole), each found by `pallas_kernels.threshold.smallest_passing`: a 16-way search over the float32
-bit patterns, eight passes over the whole row (one kernel launch each on the GPU), never a prefix of the
-vocabulary that might cut the nucleus.
+the cut is kept whole), each found by a 16-way search over the float32 bit patterns: `SEARCH_PASSES` fused
+reductions over the whole row, never a prefix of the vocabulary that might cut the nucleus.
 """
 
 from __future__ import annotations
@@ -30,7 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import checks
-from pallas_kernels.threshold import order_key, smallest_passing
+
+SEARCH_WAYS = 16  # intervals per pass of the threshold search (15 candidates, the bracket's top the 16th)
+SEARCH_PASSES = 8  # each pass cuts the bracket to ceil(1/16) of itself: 2 ** 32 bit patterns -> one in 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,14 +104,50 @@ class Sampler:
 
 
 # ------------------------------------------------------------------------------------------- the processors
+def _order_key(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 whose unsigned order is x's order (-inf lowest)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _from_order_key(u: jax.Array) -> jax.Array:
+    bits = jnp.where(u >> 31 == 1, u & jnp.uint32(0x7FFFFFFF), ~u)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _smallest_passing(x: jax.Array, limit: jax.Array, lo: jax.Array, hi: jax.Array, *, weighted: bool) -> jax.Array:
+    """Per row of x [R, V] float32: the smallest float32 t in the order-key bracket (lo, hi] (uint32 [R]: the test
+    fails at lo and holds at hi) with stat(t) < limit (float32 [R]), where stat(t) is the mass sum(x[x > t])
+    (weighted) or the count sum(x >= t). stat falls as t rises, so the test is monotone. Each of the SEARCH_PASSES
+    passes (unrolled: on the H200 a fori_loop ran them as ~9 launches each, 166 us in all at V = 128256, unrolled
+    127 us) splits the bracket in SEARCH_WAYS and evaluates its 15 inner candidates in one reduction over x
+    broadcast to [R, V, 15]. A Pallas kernel of one launch per pass was no faster: the passes are compute-bound at
+    ~9 us (docs/kernels.md, "Tried, did not pay")."""
+    lo, hi, limit = lo[:, None], hi[:, None], limit[:, None]
+    ways = jnp.arange(1, SEARCH_WAYS, dtype=jnp.uint32)
+    for _ in range(SEARCH_PASSES):
+        span = hi - lo
+        step = jnp.maximum(span // SEARCH_WAYS + (span % SEARCH_WAYS != 0).astype(jnp.uint32), 1)  # ceil
+        cand = jnp.minimum(lo + step * ways, hi)  # [R, 15], ascending
+        t = _from_order_key(cand)[:, None, :]
+        hit = x[:, :, None] > t if weighted else x[:, :, None] >= t
+        ok = jnp.sum(jnp.where(hit, x[:, :, None] if weighted else 1.0, 0.0), axis=1) < limit
+        # the first passing candidate bounds from above, the last failing one from below
+        lo, hi = (
+            jnp.max(jnp.where(ok, lo, cand), axis=1, keepdims=True),
+            jnp.min(jnp.where(ok, cand, hi), axis=1, keepdims=True),
+        )
+    return _from_order_key(hi[:, 0])
+
+
 def _top_k(z: jax.Array, k: jax.Array) -> jax.Array:
     """z [R, V] with everything below the k-th largest (ties kept) set to -inf; k >= 1 (k >= V: nothing cut)."""
     k = jnp.minimum(k, z.shape[1])
-    top = order_key(jnp.max(z, axis=1))
-    bottom = order_key(jnp.min(z, axis=1))
+    top = _order_key(jnp.max(z, axis=1))
+    bottom = _order_key(jnp.min(z, axis=1))
     # count(z >= t) < k holds from just above the k-th largest value: the search finds that next value up
     limit = jnp.broadcast_to(k.astype(jnp.float32), top.shape)
-    above = smallest_passing(z, limit, bottom, top + 1, weighted=False, strict=False)
+    above = _smallest_passing(z, limit, bottom, top + 1, weighted=False)
     kth = jnp.max(jnp.where(z < above[:, None], z, -jnp.inf), axis=1)  # the k-th largest itself
     return jnp.where(z >= kth[:, None], z, -jnp.inf)
 
@@ -122,10 +159,10 @@ def _softmax(z: jax.Array) -> jax.Array:
 def _top_p(z: jax.Array, top_p: jax.Array) -> jax.Array:
     """Keep the tokens whose probability mass strictly above theirs is < top_p (the most probable always)."""
     p = _softmax(z)
-    top = order_key(jnp.max(p, axis=1))
+    top = _order_key(jnp.max(p, axis=1))
     limit = jnp.broadcast_to(top_p.astype(jnp.float32), top.shape)
     # mass(p > t) < top_p holds from the smallest kept probability on
-    threshold = smallest_passing(p, limit, order_key(jnp.zeros_like(top, jnp.float32)), top, weighted=True, strict=True)
+    threshold = _smallest_passing(p, limit, _order_key(jnp.zeros_like(top, jnp.float32)), top, weighted=True)
     return jnp.where(p >= threshold[:, None], z, -jnp.inf)
 
 

@@ -14,13 +14,13 @@ import pytest
 import scipy.stats
 
 import jspec
+from jspec import sampling
 from jspec.exactness import bits
 from jspec.models import hybrid
 from jspec.models.mtp import init_mtp_params
 from jspec.sampling import Sampler, choose_rows, processed, seen_rows
 from jspec.state import init_state
 from jspec.steps import commit, decode_tile, verify_tile
-from pallas_kernels import ROW_TILE, threshold, use_backend
 from tests.tiny import tiny_config, tiny_params
 
 V = 200
@@ -55,10 +55,8 @@ def hf_processed(logits: np.ndarray, s: Sampler, seen: np.ndarray | None = None)
     return scores.numpy()
 
 
-def ours(logits: np.ndarray, s: Sampler, seen=None, backend: str = "reference") -> np.ndarray:
-    """Our processed logits; backend: the threshold search's (reference XLA, or the Pallas kernel interpreted)."""
-    with use_backend(backend):
-        return np.asarray(jax.jit(processed, static_argnums=1)(jnp.asarray(logits), s.mode, s.values(), seen))
+def ours(logits: np.ndarray, s: Sampler, seen=None) -> np.ndarray:
+    return np.asarray(jax.jit(processed, static_argnums=1)(jnp.asarray(logits), s.mode, s.values(), seen))
 
 
 def softmax(z: np.ndarray) -> np.ndarray:
@@ -80,76 +78,52 @@ PROCESSORS = {
 }
 
 
-@pytest.mark.parametrize("backend", ["reference", "interpret"])
 @pytest.mark.parametrize("case", list(PROCESSORS))
-def test_processed_distribution_equals_transformers(case, backend):
+def test_processed_distribution_equals_transformers(case):
     s = PROCESSORS[case]
     rng = np.random.default_rng(len(case))
     logits = (rng.standard_normal((6, V)) * 3).astype(np.float32)
     seen = rng.random((6, V)) < 0.2
     want = softmax(hf_processed(logits, s, seen))
-    got = softmax(ours(logits, s, jnp.asarray(seen), backend))
+    got = softmax(ours(logits, s, jnp.asarray(seen)))
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
     assert np.array_equal(got > 0, want > 0)  # the same tokens removed
 
 
-@pytest.mark.parametrize("backend", ["reference", "interpret"])
-def test_ties_at_the_cut(backend):
+def test_ties_at_the_cut():
     """top-k keeps every logit tied with the k-th (as TopKLogitsWarper); top-p keeps a tie group at the cut whole
     (transformers keeps whichever members its sort puts last: a subset of ours, the rest the same)."""
     row = np.full((1, V), -5.0, np.float32)
     row[0, :3] = [4.0, 3.0, 3.0]
     row[0, 10:14] = 2.0  # four tied tokens
     s = Sampler(top_k=5)
-    np.testing.assert_array_equal(np.isfinite(ours(row, s, backend=backend)), np.isfinite(hf_processed(row, s)))
-    assert np.isfinite(ours(row, s, backend=backend)).sum() == 7  # ranks 4..7 tie with the 5th
+    np.testing.assert_array_equal(np.isfinite(ours(row, s)), np.isfinite(hf_processed(row, s)))
+    assert np.isfinite(ours(row, s)).sum() == 7  # ranks 4..7 tie with the 5th
     p = softmax(row)[0]
     s = Sampler(top_p=float(p[:3].sum() + 1.5 * p[10]))  # the cut falls inside the tie group
-    kept, theirs = np.isfinite(ours(row, s, backend=backend))[0], np.isfinite(hf_processed(row, s))[0]
+    kept, theirs = np.isfinite(ours(row, s))[0], np.isfinite(hf_processed(row, s))[0]
     assert kept[:3].all() and kept[10:14].all() and kept.sum() == 7
     assert (theirs <= kept).all() and theirs[:3].all()
 
 
-@pytest.mark.parametrize("cfg", [threshold.Config(), threshold.Config(block=256, steps=3)])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_threshold_kernel_is_row_exact_and_exact(weighted, cfg):
-    """The Pallas threshold search (interpreted): each row's threshold is the same bits alone as in a 16-row tile,
-    over a vocabulary of several chunks; it is the smallest passing float (the test fails one bit pattern below);
-    the reference search agrees."""
+def test_threshold_search_finds_the_smallest_passing_float(weighted):
+    """The search's threshold passes its test (mass or count above it < the limit) and the float one bit pattern
+    below fails it: exact, not a bracket; over a vocabulary of 5000, top-p 0.9 of a softmax and top-k 50."""
     rng = np.random.default_rng(1)
-    vocab = 4096 + 77  # (default config) five chunks in a partials block of eight; the last chunk padded
-    x = rng.standard_normal((ROW_TILE, vocab)).astype(np.float32) * 3
-    if weighted:
-        x = np.asarray(softmax(x))
-    limit = np.full(ROW_TILE, 0.9 if weighted else 50.0, np.float32)
-    lo = threshold.order_key(jnp.zeros(ROW_TILE) if weighted else jnp.min(jnp.asarray(x), axis=1))
-    hi = threshold.order_key(jnp.max(jnp.asarray(x), axis=1)) + (0 if weighted else 1)
-
-    def search(backend, rows):
-        return np.asarray(
-            threshold.smallest_passing(
-                jnp.asarray(x[rows]),
-                jnp.asarray(limit[rows]),
-                lo[rows],
-                hi[rows],
-                weighted=weighted,
-                strict=weighted,
-                backend=backend,
-                config=cfg,
-            )
-        )
-
-    tile = search("interpret", slice(None))
-    for r in (0, 7, 15):
-        assert bits(search("interpret", slice(r, r + 1)))[0] == bits(tile)[r]
-    np.testing.assert_array_equal(tile, search("reference", slice(None)))
+    x = rng.standard_normal((4, 5000)).astype(np.float32) * 3
+    x = softmax(x).astype(np.float32) if weighted else x
+    limit = np.full(4, 0.9 if weighted else 50.0, np.float32)
+    lo = sampling._order_key(jnp.zeros(4) if weighted else jnp.min(jnp.asarray(x), axis=1))
+    hi = sampling._order_key(jnp.max(jnp.asarray(x), axis=1)) + (0 if weighted else 1)
+    search = jax.jit(functools.partial(sampling._smallest_passing, weighted=weighted))
+    t = np.asarray(search(jnp.asarray(x), jnp.asarray(limit), lo, hi))
 
     def stat(t):
         hit = x > t[:, None] if weighted else x >= t[:, None]
         return np.where(hit, x if weighted else 1.0, 0.0).astype(np.float64).sum(1)
 
-    below = np.nextafter(tile, np.float32(-np.inf))
-    assert (stat(tile) < limit).all() and (stat(below) >= limit).all()
+    assert (stat(t) < limit).all() and (stat(np.nextafter(t, np.float32(-np.inf))) >= limit).all()
 
 
 def _draws(logits: np.ndarray, s: Sampler, seeds: int, positions) -> np.ndarray:

@@ -1,9 +1,9 @@
 """The `sampling` section: what position-keyed sampling (jspec.Sampler) costs and buys at the e2e model's shape.
 
-1. The sampler alone: `jspec.sampling.choose_rows` on a [ROW_TILE, V] float32 logits tile, V = 128256 and 152064
-   (the Llama-3 and Qwen2.5 vocabularies), per processor set; jitted, median time per call of chained calls, and
-   under the XLA profiler its GPU kernel time. On the GPU once per kernel backend: the threshold search as Pallas
-   launches (what the engine runs there) and as XLA reductions (`pallas_kernels.threshold`'s reference), A/B.
+1. The sampler alone: `jspec.sampling.choose_rows` on the k + 1 rows a step samples (float32 logits [k + 1, V],
+   V = 128256 and 152064, the Llama-3 and Qwen2.5 vocabularies), per processor set, and on a whole [ROW_TILE, V]
+   tile (what a step sampled before it cut the tile to k + 1 rows); jitted, median time per call of chained calls,
+   and under the XLA profiler its GPU kernel time.
 2. In the step: the host loop's decode rounds greedy and sampled (no drafter), ms per token, prefill excluded;
    the median of `REPEATS` runs of each, interleaved.
 3. End to end with prompt lookup at --sampling-temperature: tok/s against plain sampling with the same seed, and the
@@ -31,7 +31,7 @@ from jspec_bench.report import Context
 from jspec_bench.shapes import scale_attention_output
 from jspec_bench.steps import _load_model
 from jspec_bench.timing import kernel_times, profile
-from pallas_kernels import ROW_TILE, get_backend, use_backend
+from pallas_kernels import ROW_TILE
 
 SAMPLERS = {
     "temperature": Sampler(temperature=0.7),
@@ -45,17 +45,15 @@ SAMPLERS = {
 REPEATS = 3
 
 
-def sampler_cost(vocab: int, sampler: Sampler, calls: int, backend: str) -> dict:
-    """Seconds per `choose_rows` call on a random [ROW_TILE, vocab] tile with the given kernel backend (and the GPU
-    kernel time of one call)."""
+def sampler_cost(rows: int, vocab: int, sampler: Sampler, calls: int) -> dict:
+    """Seconds per `choose_rows` call on random logits [rows, vocab] (and the GPU kernel time of one call)."""
     rng = np.random.default_rng(0)
-    logits = jnp.asarray(rng.standard_normal((ROW_TILE, vocab)) * 4, jnp.float32)
-    seen = jnp.asarray(rng.random((ROW_TILE, vocab)) < 0.01)
+    logits = jnp.asarray(rng.standard_normal((rows, vocab)) * 4, jnp.float32)
+    seen = jnp.asarray(rng.random((rows, vocab)) < 0.01)
     values = sampler.values()
-    positions = jnp.arange(100, 100 + ROW_TILE, dtype=jnp.int32)
+    positions = jnp.arange(100, 100 + rows, dtype=jnp.int32)
     fn = jax.jit(lambda z, p, s: choose_rows(z, p, sampler.mode, values, s if sampler.mode.penalty else None))
-    with use_backend(backend):
-        jax.block_until_ready(fn(logits, positions, seen))  # traced (and compiled) under the backend
+    jax.block_until_ready(fn(logits, positions, seen))
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
@@ -76,18 +74,17 @@ def section_sampling(ctx: Context, sec: dict) -> None:
     opts = ctx.opts
     calls = 3 if opts.quick else 50
     vocabs = (2048,) if opts.quick else (128256, 152064)
-    backends = (get_backend(), "reference") if get_backend() == "pallas" else (get_backend(),)
-    sec["backends"] = list(backends)  # the first is the engine's
+    sec["rows"] = {"step": opts.k + 1, "tile": ROW_TILE}  # what a step samples (k + 1), and a whole tile
     sec["sampler_alone"] = {}
     for vocab in vocabs:
         for label, sampler in SAMPLERS.items():
             r = sec["sampler_alone"][f"{label} V={vocab}"] = {}
-            for backend in backends:
-                r[backend] = sampler_cost(vocab, sampler, calls, backend)
-                kernels = r[backend].get("gpu_kernels", {}).get("kernel_us")
+            for kind, rows in sec["rows"].items():
+                r[kind] = sampler_cost(rows, vocab, sampler, calls)
+                kernels = r[kind].get("gpu_kernels", {}).get("kernel_us")
                 gpu = f", GPU kernels {kernels:.0f} us" if kernels else ""
                 print(
-                    f"  sampler {label} V={vocab} ({backend}): {r[backend]['time_s'] * 1e6:.0f} us per call{gpu}",
+                    f"  sampler {label} V={vocab} ({rows} rows): {r[kind]['time_s'] * 1e6:.0f} us per call{gpu}",
                     flush=True,
                 )
     name = opts.e2e_model
