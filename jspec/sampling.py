@@ -7,7 +7,7 @@ The token at absolute position t is
 where `logits` is the float32 row that predicts position t and `processed` is HuggingFace's pipeline, in its order:
 repetition penalty (over the context up to t - 1), temperature, top-k, top-p, min-p (each a mask to -inf of what
 it removes). Gumbel-max makes choose an exact sample of softmax(processed). The noise depends on (seed, t) only, so
-a verify row for position t chooses what the decode step at t chooses: both run `choose_rows` on the full row tile
+a verify row for position t chooses what the decode step at t chooses: both run `choose_rows` on the same rows
 (the same shapes, every processor row-local), and a draft token is accepted iff it equals that choice. Temperature
 0 is not sampling: the engine then takes the plain argmax path, bit for bit the greedy one.
 
