@@ -6,9 +6,10 @@ Start with `jspec.load(dir).generate(text)` (docs/api.md); the pure steps and th
 
 from jspec import exactness
 from jspec.accept import TieGuard, greedy_accept
+from jspec.batch import generate_batch_on_device
 from jspec.config import ModelConfig, RopeConfig, UnsupportedModelError
 from jspec.drafters import Drafter, DraftModel, MTPDrafter, PromptLookup
-from jspec.engine import Engine, GenerationResult, compiler_options, generate
+from jspec.engine import BatchResult, Engine, GenerationResult, compiler_options, generate
 from jspec.forward import forward
 from jspec.gate import HitDensityGate
 from jspec.loop import DeviceGeneration, LoopSettings, generate_on_device
@@ -16,7 +17,7 @@ from jspec.memory import MemoryBudgetError
 from jspec.model import Model, TextResult, checkpoints_package, load, load_hf, save
 from jspec.sampling import Sampler
 from jspec.state import DecodeState, init_state
-from jspec.stats import SpecStats
+from jspec.stats import BatchStats, SpecStats
 from jspec.steps import commit, decode_step, prefill, verify_step
 
 try:  # make `import jspec, checkpoints` find jspec's package even under a `checkpoints/` data folder
@@ -25,6 +26,8 @@ except ImportError:  # another project's regular `checkpoints` package: jspec.lo
     pass
 
 __all__ = [
+    "BatchResult",
+    "BatchStats",
     "DecodeState",
     "DeviceGeneration",
     "DraftModel",
@@ -50,6 +53,7 @@ __all__ = [
     "exactness",
     "forward",
     "generate",
+    "generate_batch_on_device",
     "generate_on_device",
     "greedy_accept",
     "init_state",

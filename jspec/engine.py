@@ -7,10 +7,13 @@ rounds (decode_step, M=1) and verify rounds (verify_step, M=k+1). The loop state
 updated in place.
 On-device loop (`on_device=True`): prefill and the whole loop in one executable
 (`jspec.loop.generate_on_device`), with the same rounds and therefore the same tokens.
+Batches (`generate_batch`): `batch_size` slots share every step (`jspec.batch`); three executables per setting
+(empty slots, a prompt into one slot, up to N rounds of every slot), a slot that stops taking the next prompt.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 import warnings
@@ -22,6 +25,7 @@ import numpy as np
 
 from jspec import checks
 from jspec.accept import TieGuard
+from jspec.batch import empty_batch, fill_slot, run_batch_rounds
 from jspec.config import ModelConfig
 from jspec.gate import HitDensityGate
 from jspec.loop import (
@@ -36,7 +40,7 @@ from jspec.loop import (
 )
 from jspec.memory import check_fits, tree_bytes
 from jspec.sampling import Sampler
-from jspec.stats import STOP_REASONS, SpecStats
+from jspec.stats import STOP_REASONS, BatchStats, SpecStats
 from jspec.steps import PREFILL_CHUNK, chunk_sizes, tail_size
 from pallas_kernels import ROW_TILE, get_backend
 from pallas_kernels.prepare import prepare_params, prepared_nbytes, resolve_prepare, ws_prep_nbytes
@@ -64,6 +68,14 @@ class GenerationResult:
     stats: SpecStats
 
 
+@dataclasses.dataclass
+class BatchResult:
+    """What `Engine.generate_batch` returns: one GenerationResult per prompt, in input order, and the batch's stats."""
+
+    results: list[GenerationResult]
+    stats: BatchStats
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """A checked request: prompt int32 [P], max_new_tokens, EOS ids int32 [MAX_EOS_IDS] (-1 padded)."""
@@ -89,6 +101,8 @@ class Engine:
       tokens runs T // prefill_chunk chunks of it, then its rest in the smallest of `jspec.steps.chunk_sizes` that
       holds it (prefill_chunk and its halves, 5 shapes at most): one executable per shape, the tail the only padding.
       Prefill memory is the chunk's activations plus the cache, whatever T.
+    batch_size: the sequence slots of `generate_batch` (each its own cache of max_len positions, allocated once
+      per batch); `generate` runs one sequence whatever it is.
 
     Construction checks every argument and what a generation will allocate (`jspec.memory`: the loop state and a
     prefill chunk's activations against the free memory), before allocating or compiling anything.
@@ -103,6 +117,7 @@ class Engine:
         dtype=None,
         prepare: bool | None = None,
         prefill_chunk: int | None = None,
+        batch_size: int = 1,
     ):
         checks.instance(cfg, ModelConfig, "cfg", "a jspec.ModelConfig", optional=False)
         if not isinstance(params, dict) or "embed" not in params:
@@ -110,6 +125,7 @@ class Engine:
         self.cfg = cfg
         self.max_len = checks.integer(max_len, "max_len", lo=2)
         self.k = checks.integer(k, "k", lo=1, hi=ROW_TILE - 1)
+        self.batch_size = checks.integer(batch_size, "batch_size", lo=1)
         chunk = default_prefill_chunk(self.max_len) if prefill_chunk is None else prefill_chunk
         self.prefill_chunk = checks.integer(chunk, "prefill_chunk", lo=1)
         checks.instance(prepare, bool, "prepare", "True, False or None")
@@ -174,16 +190,18 @@ class Engine:
         )
 
     def _check_memory(self, params, settings: LoopSettings, prepared_weights: int = 0, own=None) -> None:
-        """Raise MemoryBudgetError if a generation with these settings would not fit (`jspec.memory`)."""
+        """Raise MemoryBudgetError if a generation with these settings, in every one of the batch_size slots,
+        would not fit (`jspec.memory`)."""
         shapes = jax.eval_shape(
             lambda p, o, *request: start_loop(p, self.cfg, settings, *request, own=o),
             params,
             own,
             *self._request_args(settings),
         )
-        per_position = tree_bytes(shapes) / self.max_len
+        slots = self.batch_size
+        per_position = slots * tree_bytes(shapes) / self.max_len
         parts = {
-            "loop state (KV cache, token history, drafter)": tree_bytes(shapes),
+            f"loop state (KV cache, token history, drafter) x {slots} slot(s)": slots * tree_bytes(shapes),
             f"a {self.prefill_chunk}-position prefill chunk": prefill_chunk_bytes(
                 self.cfg, self.prefill_chunk, self.dtype
             ),
@@ -191,8 +209,8 @@ class Engine:
         }
         check_fits(
             parts,
-            f"Engine(max_len={self.max_len}, {self.dtype})",
-            f"lower max_len (about {per_position / 1024:.1f} KiB a position) or the prefill chunk",
+            f"Engine(max_len={self.max_len}, {self.dtype}, batch_size={slots})",
+            f"lower max_len (about {per_position / 1024:.1f} KiB a position), batch_size or the prefill chunk",
         )
 
     def _compile(self, key: tuple, fn, *args, donate: tuple[int, ...] = ()):
@@ -260,6 +278,32 @@ class Engine:
             return generate_on_device(params, self.cfg, prompt, length, max_new, settings, eos_ids, sampler, own)
 
         return self._compile(("device", settings), run, weights, *self._request_args(settings))
+
+    def _batch_execs(self, settings: LoopSettings, weights: tuple):
+        """(empty slots, a request into one slot, up to N rounds of every slot) for batch_size slots."""
+        b = self.batch_size
+        empty = self._compile(
+            ("batch-empty", settings, b),
+            lambda weights: empty_batch(weights[0], self.cfg, settings, b, weights[1]),
+            weights,
+        )
+        shape = empty.out_info
+        scalar = jax.ShapeDtypeStruct((), jnp.int32)
+
+        def fill(weights, batch, slot, prompt, length, max_new, eos_ids, sampler=None):
+            params, own = weights
+            return fill_slot(params, self.cfg, settings, batch, slot, prompt, length, max_new, eos_ids, sampler, own)
+
+        fill_exec = self._compile(
+            ("batch-fill", settings, b), fill, weights, shape, scalar, *self._request_args(settings), donate=(1,)
+        )
+
+        def rounds(weights, batch, n, until_a_stop):
+            return run_batch_rounds(weights[0], self.cfg, settings, batch, n, until_a_stop, weights[1])
+
+        flag = jax.ShapeDtypeStruct((), jnp.bool_)
+        rounds_exec = self._compile(("batch-rounds", settings, b), rounds, weights, shape, scalar, flag, donate=(1,))
+        return empty, fill_exec, rounds_exec
 
     # ------------------------------------------------------------------------------------------------ generate
     def request(self, prompt_ids, max_new_tokens: int | None = None, eos_id=None) -> Request:
@@ -337,6 +381,107 @@ class Engine:
                 emit=True,
             )
         )
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int] | None = None,
+        *,
+        drafter=None,
+        gate: HitDensityGate | None = None,
+        sampler: Sampler | Sequence[Sampler] | None = None,
+        eos_id: int | Sequence[int] | None = None,
+        progress: bool = False,
+        rounds_per_call: int = ROUNDS_PER_CALL,
+    ) -> BatchResult:
+        """Generate for every prompt, batch_size at a time: each step runs every occupied slot; a slot whose
+        sequence stops takes the next prompt (prefilled into it) while the others go on. Each sequence's tokens
+        are those `generate` gives it alone (docs/design.md, rule 9): whatever the other slots hold, with or
+        without a drafter.
+
+        prompts: a non-empty list of token-id sequences (more than batch_size is fine). max_new_tokens: one for
+        all, or one per prompt (None: until the cache is full). sampler: None (greedy), one Sampler for all, or one
+        per prompt (their seeds and values may differ, not their processors: `Sampler.mode`). drafter, gate,
+        eos_id: as `generate` (one for the batch; the drafter and gate run per slot). progress: a bar over new
+        tokens. rounds_per_call: the most rounds per device call (a call also ends when a slot stops while
+        prompts wait). A bad prompt raises naming its index, before anything runs. -> BatchResult, in input order.
+        """
+        if isinstance(prompts, (str, bytes, np.ndarray)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a list of token-id sequences, got {type(prompts).__name__}")
+        if not prompts:
+            raise ValueError("generate_batch: the prompt list is empty")
+        n = len(prompts)
+        budgets = _per_prompt(max_new_tokens, n, "max_new_tokens", (int, np.integer, type(None)))
+        samplers = _per_prompt(sampler, n, "sampler", (Sampler, type(None)))
+        rounds_per_call = checks.integer(rounds_per_call, "rounds_per_call", lo=1)
+        checks.instance(progress, bool, "progress", "True or False", optional=False)
+        requests = []
+        for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
+            try:
+                requests.append(self.request(prompt, budget, eos_id))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+        modes = [None if s is None or s.greedy else s.mode for s in samplers]
+        if any(m != modes[0] for m in modes):
+            i = next(i for i, m in enumerate(modes) if m != modes[0])
+            raise ValueError(
+                f"sampler {i}'s processors ({modes[i]}) differ from sampler 0's ({modes[0]}): one batch runs one set "
+                "of processors (greedy or a Sampler.mode); the values and seeds may differ per prompt"
+            )
+        settings = self.settings(drafter=drafter, gate=gate, sampler=None if modes[0] is None else samplers[0])
+        weights = self._weights(settings.drafter)
+        if settings not in self._memory_checked:
+            self._check_memory(self.params, settings, own=weights[1])
+            self._memory_checked.add(settings)
+        empty, fill, rounds = self._batch_execs(settings, weights)
+        b = self.batch_size
+        stats = BatchStats(sequences=n, batch_size=b)
+        results: list[GenerationResult | None] = [None] * n
+        queue, holder, began = collections.deque(range(n)), [None] * b, {}
+        bar = _progress_bar(sum(r.max_new for r in requests), "generating", "tok") if progress else None
+        start = time.perf_counter()
+        batch = empty(weights)
+        while True:
+            for slot in range(b):
+                if holder[slot] is None and queue:
+                    i = queue.popleft()
+                    r, s = requests[i], samplers[i]
+                    padded = np.zeros((self.max_len,), np.int32)
+                    padded[: r.prompt.size] = r.prompt
+                    values = () if settings.sampling is None else (s.values(),)
+                    began[i] = time.perf_counter()
+                    batch = fill(weights, batch, np.int32(slot), padded, np.int32(r.prompt.size),
+                                 np.int32(r.max_new), r.eos, *values)  # fmt: skip
+                    jax.block_until_ready(batch.n_out)
+                    stats.prefill_time_s += time.perf_counter() - began[i]
+                    holder[slot] = i
+            if all(i is None for i in holder):
+                break
+            batch, occupancy = rounds(weights, batch, np.int32(rounds_per_call), np.bool_(bool(queue)))
+            stop, n_out, occupancy = jax.device_get((batch.stop, batch.n_out, occupancy))
+            stats.rounds += int(occupancy.rounds)
+            stats.slot_rounds += int(occupancy.slot_rounds)
+            finished = [slot for slot, i in enumerate(holder) if i is not None and stop[slot] != 0]
+            if finished:
+                history, counters = jax.device_get((batch.state.tokens, batch.counters))
+            for slot in finished:
+                i, r = holder[slot], requests[holder[slot]]
+                tokens = [int(t) for t in history[slot, r.prompt.size : r.prompt.size + int(n_out[slot])]]
+                seq = SpecStats(prompt_tokens=int(r.prompt.size), exact=True, loop="batch")
+                seq.sampler = None if samplers[i] is None else dataclasses.asdict(samplers[i])
+                seq.wall_time_s = time.perf_counter() - began[i]
+                self._fill_stats(seq, jax.tree.map(lambda c, s=slot: c[s], counters), int(stop[slot]), len(tokens),
+                                 settings)  # fmt: skip
+                results[i] = GenerationResult(tokens, seq)
+                stats.new_tokens += len(tokens)
+                holder[slot] = None
+            if bar is not None:
+                live = sum(int(n_out[slot]) for slot, i in enumerate(holder) if i is not None)
+                bar.update(stats.new_tokens + live - bar.n)
+        if bar is not None:
+            bar.close()
+        stats.wall_time_s = time.perf_counter() - start
+        return BatchResult(results, stats)
 
     def _run(self, prompt_ids, max_new_tokens, setting: dict, eos_id, on_device, progress, rounds_per_call, *, emit):
         rounds_per_call = checks.integer(rounds_per_call, "rounds_per_call", lo=1)
@@ -442,6 +587,20 @@ class Engine:
         stats.would_hits = int(c.would_hits)
         stats.new_tokens = n_tokens
         stats.stop_reason = STOP_REASONS[stop]
+
+
+def _per_prompt(value, n: int, name: str, kinds: tuple) -> list:
+    """One value for all n prompts, or a sequence of n values (one per prompt) -> a list of n."""
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        if len(value) != n:
+            raise ValueError(f"{name}: {len(value)} values for {n} prompts (give one, or one per prompt)")
+        values = list(value)
+    else:
+        values = [value] * n
+    for i, v in enumerate(values):
+        if not isinstance(v, kinds) or isinstance(v, bool):
+            raise TypeError(f"{name} {i}: {v!r} is not a {' or '.join(k.__name__ for k in kinds)}")
+    return values
 
 
 def prefill_chunk_bytes(cfg: ModelConfig, chunk: int, dtype: str) -> int:

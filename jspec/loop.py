@@ -269,7 +269,7 @@ def _sample_tile(settings: LoopSettings, loop: Loop, tile: jax.Array, row_tokens
     after it, so XLA narrows neither to the rows a step uses (rule 7). (The rows past k + 1 are never read: sampling
     them cost a 16-row tile's search, +4-6% of an 8B-shape step at top-p, bench_sampling_h200.json.)"""
     state = loop.state  # before the step: position p, history[0..p]
-    rows = settings.k + 1
+    rows = min(settings.k + 1, tile.shape[0])  # a batch slot without a drafter has one row
     tile = jax.lax.optimization_barrier(tile)[:rows]
     positions = state.position + 1 + jnp.arange(rows, dtype=jnp.int32)
     seen = (
@@ -299,11 +299,7 @@ def decode_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: L
         token = _sample_tile(settings, loop, tile, row_tokens)[0]
     state = commit(state, jnp.zeros((), jnp.int32), token)
     would_hit = (loop.n_valid > 0) & (loop.draft[0] == token)
-    c = loop.counters
-    counters = dataclasses.replace(
-        c, decode_steps=c.decode_steps + 1, would_hits=c.would_hits + would_hit.astype(jnp.int32)
-    )
-    loop = dataclasses.replace(loop, counters=counters)
+    loop = dataclasses.replace(loop, counters=_count(loop.counters, False, would_hit=would_hit))
     return _finish_round(params, cfg, settings, loop, state, token[None], jnp.asarray(1, jnp.int32), would_hit, own)
 
 
@@ -311,7 +307,6 @@ def verify_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: L
     """One verify_step over the pending token + draft: accept the matching prefix, commit, add the bonus token."""
     draft, n_valid = loop.draft, loop.n_valid
     guard = settings.tie_guard
-    c = loop.counters
     if settings.sampling is not None:  # accept a draft token iff it is the sampler's choice at its position
         state, tile, row_tokens = verify_tile(params, cfg, loop.state, draft)
         chosen = _sample_tile(settings, loop, tile, row_tokens)
@@ -327,20 +322,57 @@ def verify_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: L
         tolerated = jnp.zeros((), jnp.int32)
         near = near_tie(draft, logits, n_acc, n_valid, guard.eps).astype(jnp.int32) if guard.eps > 0 else 0
     state = commit(state, n_acc, token)
-    positions = jnp.arange(settings.k)
-    counters = dataclasses.replace(
-        c,
-        verify_steps=c.verify_steps + 1,
-        drafted=c.drafted + n_valid,
-        accepted=c.accepted + n_acc,
-        position_reached=c.position_reached + ((positions < n_valid) & (positions <= n_acc)).astype(jnp.int32),
-        position_accepted=c.position_accepted + (positions < n_acc).astype(jnp.int32),
-        near_ties=c.near_ties + near,
-        tolerated=c.tolerated + tolerated,
-    )
+    counters = _count(loop.counters, True, n_valid, n_acc, near=near, tolerated=tolerated)
     committed = jnp.concatenate([draft, jnp.zeros((1,), jnp.int32)]).at[n_acc].set(token)
     loop = dataclasses.replace(loop, counters=counters)
     return _finish_round(params, cfg, settings, loop, state, committed, n_acc + 1, n_acc > 0, own)
+
+
+def slot_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop, rows: int, own=None) -> Loop:
+    """One round of one slot of a batch (`jspec.batch`, under `jax.vmap` over the slots): the slot's own tile of
+    `rows` rows (1 without a drafter, else k + 1) verifies its draft when loop.use_verify, else the same step with
+    no draft valid decodes (row 0 is the decode step's, bit for bit: rule 1). One step shape for every slot
+    whatever each one does, so a batch step is one forward. Greedy or sampled; the default TieGuard only."""
+    verified = loop.use_verify
+    n_valid = jnp.where(verified, loop.n_valid, 0)
+    if rows == 1:
+        state, tile, row_tokens = decode_tile(params, cfg, loop.state, tile_rows=1)
+    else:
+        state, tile, row_tokens = verify_tile(params, cfg, loop.state, loop.draft, tile_rows=rows)
+    if settings.sampling is None:
+        chosen = jnp.argmax(jax.lax.optimization_barrier(tile)[: settings.k + 1], axis=-1).astype(jnp.int32)
+    else:
+        chosen = _sample_tile(settings, loop, tile, row_tokens)
+    if rows == 1:
+        n_acc, token = jnp.zeros((), jnp.int32), chosen[0]
+    else:
+        n_acc, token = accept_chosen(loop.draft, chosen, n_valid)
+    state = commit(state, n_acc, token)
+    would_hit = ~verified & (loop.n_valid > 0) & (loop.draft[0] == token)
+    counters = _count(loop.counters, verified, n_valid, n_acc, would_hit=would_hit)
+    committed = jnp.concatenate([loop.draft, jnp.zeros((1,), jnp.int32)]).at[n_acc].set(token)
+    hit = jnp.where(verified, n_acc > 0, would_hit)
+    loop = dataclasses.replace(loop, counters=counters)
+    return _finish_round(params, cfg, settings, loop, state, committed, n_acc + 1, hit, own)
+
+
+def _count(c: Counters, verified, n_valid=0, n_acc=0, *, would_hit=False, near=0, tolerated=0) -> Counters:
+    """The counters after a round: a verify round (verified: a bool, traced or not) of n_valid draft tokens with
+    n_acc accepted, or a decode round (would_hit: its pending draft's first token was the decode's)."""
+    v = jnp.asarray(verified, jnp.int32)
+    positions = jnp.arange(c.position_reached.shape[0])
+    return dataclasses.replace(
+        c,
+        decode_steps=c.decode_steps + 1 - v,
+        verify_steps=c.verify_steps + v,
+        drafted=c.drafted + v * n_valid,
+        accepted=c.accepted + v * n_acc,
+        position_reached=c.position_reached + v * ((positions < n_valid) & (positions <= n_acc)),
+        position_accepted=c.position_accepted + v * (positions < n_acc),
+        near_ties=c.near_ties + v * near,
+        tolerated=c.tolerated + v * tolerated,
+        would_hits=c.would_hits + (1 - v) * jnp.asarray(would_hit, jnp.int32),
+    )
 
 
 def _finish_round(params, cfg, settings: LoopSettings, loop: Loop, state: DecodeState, committed, n_new, hit, own):
@@ -410,11 +442,14 @@ class DeviceGeneration:
     error: jax.Array
 
     def raise_if_error(self) -> DeviceGeneration:
-        """On the host, after the call: raise ValueError naming every rule the request broke; else return self."""
-        code = int(self.error)
-        if code:
-            broken = "; ".join(message for bit, message in REQUEST_ERRORS.items() if code & bit)
-            raise ValueError(f"generate_on_device refused the request (error {code}): {broken}")
+        """On the host, after the call: raise ValueError naming every rule the request broke (of a batch's
+        requests, `jspec.batch`: each by its index); else return self."""
+        codes = np.asarray(self.error)
+        for index, code in np.ndenumerate(codes):
+            if code:
+                broken = "; ".join(message for bit, message in REQUEST_ERRORS.items() if code & bit)
+                which = f"request {index[0]}" if codes.ndim else "the request"
+                raise ValueError(f"generate_on_device refused {which} (error {int(code)}): {broken}")
         return self
 
 

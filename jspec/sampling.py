@@ -56,6 +56,13 @@ class SamplerValues:
     penalty: jax.Array
     key: jax.Array
 
+    @classmethod
+    def neutral(cls) -> SamplerValues:
+        """Values that sample nothing in particular (temperature 1, every processor off, key 0): an empty batch
+        slot's placeholder, traceable."""
+        one, zero = jnp.ones((), jnp.float32), jnp.zeros((), jnp.float32)
+        return cls(one, jnp.zeros((), jnp.int32), one, zero, one, jnp.zeros((2,), jnp.uint32))
+
 
 @dataclasses.dataclass(frozen=True)
 class Sampler:

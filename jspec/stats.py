@@ -18,7 +18,8 @@ class SpecStats:
     near_tie_rejections: rejected draft tokens within TieGuard.eps of the row max (diagnostic).
     gate_engaged: steps on which the gate allowed a verify (None without a gate).
     exact: False only when a tolerant TieGuard accepted a non-argmax token (then output may differ from greedy).
-    loop: "host" (prefill, decode and verify calls timed apart) or "device" (one call: only the wall is timed).
+    loop: "host" (prefill, decode and verify calls timed apart), "device" (one call: only the wall is timed) or
+      "batch" (a slot of `Engine.generate_batch`: the wall from its prefill to its stop).
     sampler: the Sampler's fields (None: greedy).
     """
 
@@ -66,10 +67,15 @@ class SpecStats:
             f"new tokens {self.new_tokens} in {self.wall_time_s:.3f} s ({self.tokens_per_s:.1f} tok/s), "
             f"stop: {self.stop_reason}{'' if self.exact else '  [INEXACT: tolerant TieGuard]'}",
         ]
-        if self.loop == "device":
+        if self.loop in ("device", "batch"):
+            how = (
+                "on device: prefill and the rounds ran in one call"
+                if self.loop == "device"
+                else "in a batch: its steps ran with the other slots'"
+            )
             lines.append(
-                f"steps {self.steps}: decode {self.decode_steps}, verify {self.verify_steps} (on device: prefill and "
-                "the rounds ran in one call, timed only as a whole)"
+                f"steps {self.steps}: decode {self.decode_steps}, verify {self.verify_steps} ({how}, timed only as a "
+                "whole)"
             )
         else:
             lines.append(
@@ -99,3 +105,33 @@ def common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+@dataclasses.dataclass
+class BatchStats:
+    """Statistics of one `Engine.generate_batch`: sequences and slots, new tokens of all sequences, the wall time
+    (prefills included; prefill_time_s: the prefills alone, each timed to completion), batch rounds run and running
+    slots summed over them. slot_occupancy: the fraction of slot-rounds that held a running sequence."""
+
+    sequences: int = 0
+    batch_size: int = 0
+    new_tokens: int = 0
+    wall_time_s: float = 0.0
+    prefill_time_s: float = 0.0
+    rounds: int = 0
+    slot_rounds: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    @property
+    def slot_occupancy(self) -> float:
+        return self.slot_rounds / (self.rounds * self.batch_size) if self.rounds else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"{self.sequences} sequences in {self.batch_size} slots: {self.new_tokens} new tokens in "
+            f"{self.wall_time_s:.3f} s ({self.tokens_per_s:.1f} tok/s), {self.rounds} rounds, slot occupancy "
+            f"{100 * self.slot_occupancy:.0f}%"
+        )

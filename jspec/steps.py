@@ -119,18 +119,20 @@ def run_chunks(params: dict, cfg: ModelConfig, carry, start, length, chunk: int,
 
 
 def _tile_step(params: dict, cfg: ModelConfig, state: DecodeState, row_tokens: jax.Array, rows: int):
-    """Run one row tile at state.position. row_tokens int32 [ROW_TILE]; rows = valid rows (static)."""
+    """Run one row tile at state.position. row_tokens int32 [T] (T = ROW_TILE, or a batch slot's rows);
+    rows = valid rows (static). The tile's hidden rows go to state.hidden[:T]."""
     hidden, cache = family_module(cfg).step(params, cfg, row_tokens, state.cache, state.position, state.slot, rows)
     logits = jax.lax.optimization_barrier(logits_from_hidden(params, cfg, hidden))
-    return dataclasses.replace(state, cache=cache, hidden=hidden), logits
+    kept = hidden if hidden.shape[0] == state.hidden.shape[0] else state.hidden.at[: hidden.shape[0]].set(hidden)
+    return dataclasses.replace(state, cache=cache, hidden=kept), logits
 
 
-def decode_tile(params: dict, cfg: ModelConfig, state: DecodeState):
-    """`decode_step` with the whole row tile: (state, float32 logits [ROW_TILE, V], the tile's input tokens int32
-    [ROW_TILE]); row 0 is the decode's, the others are padding (the sampler processes them along:
-    docs/design.md rule 8)."""
+def decode_tile(params: dict, cfg: ModelConfig, state: DecodeState, tile_rows: int = ROW_TILE):
+    """`decode_step` with the whole row tile: (state, float32 logits [tile_rows, V], the tile's input tokens int32
+    [tile_rows]); row 0 is the decode's, the others are padding (the sampler processes them along:
+    docs/design.md rule 8). tile_rows: ROW_TILE, or the rows of one slot of a batch (`jspec.batch`)."""
     pending = state.tokens[state.position]
-    row_tokens = jnp.zeros((ROW_TILE,), jnp.int32).at[0].set(pending)
+    row_tokens = jnp.zeros((tile_rows,), jnp.int32).at[0].set(pending)
     state, logits = _tile_step(params, cfg, state, row_tokens, rows=1)
     return state, logits, row_tokens
 
@@ -144,14 +146,14 @@ def decode_step(params: dict, cfg: ModelConfig, state: DecodeState):
     return state, logits[0]
 
 
-def verify_tile(params: dict, cfg: ModelConfig, state: DecodeState, draft: jax.Array):
-    """`verify_step` with the whole row tile: (state, float32 logits [ROW_TILE, V], input tokens int32 [ROW_TILE]:
-    the pending token, the draft, padding)."""
+def verify_tile(params: dict, cfg: ModelConfig, state: DecodeState, draft: jax.Array, tile_rows: int = ROW_TILE):
+    """`verify_step` with the whole row tile: (state, float32 logits [tile_rows, V], input tokens int32
+    [tile_rows]: the pending token, the draft, padding). tile_rows: as `decode_tile` (k + 1 <= tile_rows)."""
     k = draft.shape[0]
-    if not 1 <= k <= ROW_TILE - 1:
-        raise ValueError(f"draft length k={k} must be in 1..{ROW_TILE - 1} (k + 1 rows within the row tile)")
+    if not 1 <= k <= tile_rows - 1:
+        raise ValueError(f"draft length k={k} must be in 1..{tile_rows - 1} (k + 1 rows within the row tile)")
     pending = state.tokens[state.position]
-    row_tokens = jnp.zeros((ROW_TILE,), jnp.int32).at[0].set(pending).at[1 : k + 1].set(draft.astype(jnp.int32))
+    row_tokens = jnp.zeros((tile_rows,), jnp.int32).at[0].set(pending).at[1 : k + 1].set(draft.astype(jnp.int32))
     state, logits = _tile_step(params, cfg, state, row_tokens, rows=k + 1)
     tokens = jax.lax.dynamic_update_slice(state.tokens, draft.astype(jnp.int32), (state.position + 1,))
     return dataclasses.replace(state, tokens=tokens), logits, row_tokens

@@ -64,12 +64,35 @@ def linear(x: jax.Array, w: Weight, bias: jax.Array | None = None, *, out_dtype=
     if w.shape[0] != k:
         raise ValueError(f"linear: x has K={k} but the weight is {tuple(w.shape)} ([K, N])")
     if m <= _backend.ROW_TILE:
-        y = rows_matmul(x, w)
+        y = _row_tiles(x, w)
     else:
         y = _product(x, w)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(out_dtype)
+
+
+@jax.custom_batching.custom_vmap
+def _row_tiles(x: jax.Array, w: Weight) -> jax.Array:
+    """`rows_matmul`, and under `jax.vmap` (a batch of sequences, each with its rows: jspec.batch) one row-tile
+    product over all their rows: x [B, M, K] is flattened to B * M rows and cut into tiles of ROW_TILE, so the
+    weights are read once per tile, not once per sequence. Row r's result is the same bits wherever it sits in a
+    tile (rule 1), so no sequence's rows depend on another's (docs/design.md, rule 9)."""
+    return rows_matmul(x, w)
+
+
+@_row_tiles.def_vmap
+def _row_tiles_vmap(axis_size: int, in_batched, x: jax.Array, w: Weight):
+    x_batched, w_batched = in_batched
+    if any(jax.tree.leaves(w_batched)):
+        raise ValueError("linear: the weight is batched under vmap; the row-tile path batches rows, never weights")
+    if not x_batched:
+        return _row_tiles(x, w), False
+    b, m, k = x.shape
+    flat = x.reshape(b * m, k)
+    tile = _backend.ROW_TILE
+    y = jnp.concatenate([_row_tiles(flat[i : i + tile], w) for i in range(0, b * m, tile)])
+    return y.reshape(b, m, y.shape[-1]), True
 
 
 def rows_matmul(x: jax.Array, w: Weight) -> jax.Array:

@@ -19,6 +19,8 @@ starts (and before each model or sub-step), and whatever is skipped is recorded 
                lookup under sampling against plain sampling with the same seed (tokens compared).
   draft_model  jspec.DraftModel (jspec_bench.draft_model): a draft-model round's cost at the e2e shape with a
                Llama-3.2-1B-shaped drafter against a decode step (the break-even mean_accepted), tokens compared.
+  batch        Engine.generate_batch (jspec_bench.batch): greedy decode tok/s at batch sizes 1, 4, 16, 64 and
+               prompt lookup at 4 and 8 (k = 3, 7) on echo prompts, every sequence compared with its own run.
 A section is a function `section(ctx: Context, sec: dict)` that fills `sec`, its dict in the results JSON; adding one
 is one line in `REGISTRY`, which `--sections` (its choices and default order) and `main` read."""
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+from jspec_bench.batch import section_batch
 from jspec_bench.draft_model import section_draft_model
 from jspec_bench.e2e import section_e2e
 from jspec_bench.peer import section_peer
@@ -51,6 +54,7 @@ REGISTRY: dict[str, Section] = {  # in priority order
     "prefill": Section(section_prefill, 60.0),
     "sampling": Section(section_sampling, 30.0),
     "draft_model": Section(section_draft_model, 30.0),
+    "batch": Section(section_batch, 60.0),
 }
 SECTIONS = tuple(REGISTRY)
 SECTION_FUNCS = {name: s.run for name, s in REGISTRY.items()}

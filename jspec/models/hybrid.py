@@ -111,8 +111,11 @@ def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, run: Run):
     v = v.reshape(t, nv, dv)
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + p["dt_bias"])
     beta = jax.nn.sigmoid(b).astype(jnp.float32)
-    if run.kind == STEP:
-        ssm, out = gdn_rows(cache["ssm"], run.slot, q, k, v, g, beta, run.rows)
+    if run.kind == STEP:  # a batch slot's tile may have fewer rows than the candidates (jspec.batch): pad it
+        pad = cache["ssm"].shape[0] - t
+        tile = [jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) for x in (q, k, v, g, beta)]
+        ssm, out = gdn_rows(cache["ssm"], run.slot, *tile, run.rows)
+        out = out[:t]
         windows = jnp.stack([conv_window(seq, i + 1, width) for i in range(run.rows)])
         cache = dict(conv=cache["conv"].at[: run.rows].set(windows), ssm=ssm)
     else:

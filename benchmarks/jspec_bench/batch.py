@@ -1,0 +1,132 @@
+"""The `batch` section: `Engine.generate_batch` at the e2e model's shape (Llama-3-8B, int4, random weights).
+
+1. Greedy at batch_size B = 1, 4, 16, 64 (`--batch-sizes`): B prompts of --prompt-len tokens, --new-tokens each,
+   one batch (no refill): decode tokens/s of the batch (its prefills excluded: each fill is timed to completion)
+   and the ratio to B = 1. Every sequence's tokens are compared with its own `generate` (B = 1 engine, greedy).
+2. Prompt lookup at B = 4 and 8 (`--batch-lookup`) with k = 3 and 7 on the e2e section's echo prompts (each slot
+   its own prompt): tokens/s against greedy at the same B, mean_accepted, tokens compared with greedy alone.
+The attention output is scaled as in e2e (--o-factor) so the random model's continuation follows the echo.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import numpy as np
+
+from jspec.drafters import PromptLookup
+from jspec.engine import Engine
+from jspec_bench.e2e import echo_prompt, random_filler
+from jspec_bench.report import Context
+from jspec_bench.shapes import scale_attention_output
+from jspec_bench.steps import _load_model
+
+BATCH_SIZES = (1, 4, 16, 64)
+LOOKUP = ((4, 3), (4, 7), (8, 3), (8, 7))  # (batch size, k)
+
+
+def _decode_rate(result) -> dict:
+    s = result.stats
+    decode_s = s.wall_time_s - s.prefill_time_s
+    return {
+        "new_tokens": s.new_tokens,
+        "wall_s": s.wall_time_s,
+        "prefill_s": s.prefill_time_s,
+        "decode_tok_s": s.new_tokens / decode_s,
+        "rounds": s.rounds,
+        "slot_occupancy": s.slot_occupancy,
+        "mean_accepted": _mean_accepted(result),
+    }
+
+
+def _mean_accepted(result) -> float:
+    verify = sum(r.stats.verify_steps for r in result.results)
+    accepted = sum(r.stats.accepted for r in result.results)
+    return (accepted + verify) / verify if verify else 0.0
+
+
+def section_batch(ctx: Context, sec: dict) -> None:
+    opts = ctx.opts
+    name = opts.e2e_model
+    if name not in opts.models:
+        sec.update(status="partial", reason=f"--models does not include {name}")
+        return
+    params, cfg, info = _load_model(ctx, name)
+    params = scale_attention_output(params, opts.o_factor)
+    sec.update(model=name, source=info["source"], o_factor=opts.o_factor)
+    n, plen = (8, 16) if opts.quick else (opts.new_tokens, opts.prompt_len)
+    sizes = (1, 4) if opts.quick else BATCH_SIZES
+    lookups = ((2, 3),) if opts.quick else LOOKUP
+    length = 2 * plen + n
+    max_len = length + n + 16
+    rng = np.random.default_rng(opts.seed + 23)
+    prompts = [
+        random_filler(rng, cfg.vocab_size, plen, n, length) for _ in range(max(sizes + tuple(b for b, _ in lookups)))
+    ]
+    single = Engine(params, cfg, max_len=max_len, k=7, prepare=opts.prepare_arg)
+    alone = {}
+
+    def greedy_alone(i: int, prompt) -> list[int]:
+        if i not in alone:
+            alone[i] = single.generate(prompt, n, eos_id=()).tokens
+        return alone[i]
+
+    sec["greedy"] = {}
+    base = None
+    for b in sizes:
+        why = ctx.budget.why_not(10.0 if opts.quick else 40.0, f"batch greedy B={b}")
+        if why:
+            sec["greedy"][str(b)] = {"status": "skipped", "reason": why}
+            continue
+        engine = Engine(params, cfg, max_len=max_len, k=7, prepare=opts.prepare_arg, batch_size=b)
+        batch = [prompts[i][1] for i in range(b)]
+        engine.generate_batch(batch, n, eos_id=())  # warm: compile
+        t0 = time.perf_counter()
+        out = engine.generate_batch(batch, n, eos_id=())
+        r = sec["greedy"][str(b)] = _decode_rate(out) | {"elapsed_s": time.perf_counter() - t0}
+        same = [out.results[i].tokens == greedy_alone(i, batch[i]) for i in range(b)]
+        r["identical"] = ctx.report.check_identity(all(same), f"batch/greedy B={b}: a sequence differs from alone")
+        base = r["decode_tok_s"] if b == 1 else base
+        r["vs_b1"] = r["decode_tok_s"] / base if base else None
+        print(
+            f"  batch greedy B={b}: {r['decode_tok_s']:.0f} tok/s decode"
+            + (f" ({r['vs_b1']:.2f}x B=1)" if r["vs_b1"] else "")
+            + f", identical to alone: {r['identical']}",
+            flush=True,
+        )
+        engine = None  # noqa: F841
+        gc.collect()
+    sec["lookup"] = {}
+    for b, k in lookups:
+        why = ctx.budget.why_not(10.0 if opts.quick else 40.0, f"batch lookup B={b} k={k}")
+        if why:
+            sec["lookup"][f"B={b} k={k}"] = {"status": "skipped", "reason": why}
+            continue
+        echoes = [
+            echo_prompt(p, greedy_alone(i, filler), None, rng, cfg.vocab_size, length)
+            for i, (p, filler) in enumerate(prompts[:b])
+        ]
+        engine = Engine(params, cfg, max_len=max_len, k=k, prepare=opts.prepare_arg, batch_size=b)
+        runs = {}
+        for label, drafter in (("greedy", None), ("lookup", PromptLookup())):
+            engine.generate_batch(echoes, n, drafter=drafter, eos_id=())  # warm
+            runs[label] = engine.generate_batch(echoes, n, drafter=drafter, eos_id=())
+        want = [single.generate(e, n, eos_id=()).tokens for e in echoes]
+        same = all(r.tokens == w for r, w in zip(runs["lookup"].results, want, strict=True)) and all(
+            r.tokens == w for r, w in zip(runs["greedy"].results, want, strict=True)
+        )
+        g, s = _decode_rate(runs["greedy"]), _decode_rate(runs["lookup"])
+        sec["lookup"][f"B={b} k={k}"] = {
+            "greedy": g,
+            "lookup": s,
+            "speedup": s["decode_tok_s"] / g["decode_tok_s"],
+            "identical": ctx.report.check_identity(same, f"batch/lookup B={b} k={k}: tokens differ from alone"),
+        }
+        print(
+            f"  batch lookup B={b} k={k}: {s['decode_tok_s']:.0f} tok/s, {s['decode_tok_s'] / g['decode_tok_s']:.2f}x "
+            f"batch greedy (mean_accepted {s['mean_accepted']:.2f}), identical {same}",
+            flush=True,
+        )
+        engine = None  # noqa: F841
+        gc.collect()

@@ -1,0 +1,169 @@
+"""Batched generation (jspec.batch, Engine.generate_batch; docs/design.md rule 9): a sequence's bits and tokens do
+not depend on what the other slots hold nor on its slot; speculative == plain per sequence; batch_size 1 is
+`generate`; slots that stop take the next prompt; the on-device variant; bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+from jspec.batch import empty_batch, fill_slot, slot_rows
+from jspec.exactness import bits
+from jspec.loop import eos_array
+from jspec.models import hybrid
+from jspec.models.mtp import init_mtp_params
+from jspec.steps import verify_tile
+from tests.tiny import tiny_config, tiny_params
+
+MAX_LEN = 64
+
+
+@functools.cache
+def model(family: str, mtp: bool = False):
+    cfg = tiny_config(family)
+    if mtp:
+        cfg = dataclasses.replace(cfg, num_mtp_layers=1, mtp_layout="qwen3_next" if cfg.is_hybrid else "deepseek")
+    key = jax.random.PRNGKey(5)
+    params = hybrid.init_params(cfg, key, jnp.float32, 0.1) if cfg.is_hybrid else tiny_params(cfg, "float32", 5)
+    if mtp:
+        params["mtp"] = init_mtp_params(cfg, jax.random.PRNGKey(6), jnp.float32)
+    return params, cfg
+
+
+@functools.cache
+def engine(family: str, batch_size: int, mtp: bool = False) -> jspec.Engine:
+    params, cfg = model(family, mtp)
+    return jspec.Engine(params, cfg, max_len=MAX_LEN, k=3, prefill_chunk=16, batch_size=batch_size)
+
+
+def prompts(cfg, lengths=(5, 11, 3, 20, 7, 9, 2), seed=0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    out = [[int(t) for t in rng.integers(0, cfg.vocab_size, size=n)] for n in lengths]
+    if len(out) > 1:
+        out[1] = out[1][:4] * 3  # a repetitive prompt: prompt lookup drafts from it
+    return out
+
+
+def test_slot_logits_bits_do_not_depend_on_the_other_slots_or_the_slot():
+    """One verify-shaped batch step: a sequence's logits rows are the same bits in slot 0 beside three other prompts
+    (other lengths, other drafts), in slot 2 beside others again, and with the other slots empty."""
+    params, cfg = model("qwen2")
+    settings = engine("qwen2", 4).settings(drafter=jspec.PromptLookup())
+    rows = slot_rows(settings)
+    mine = prompts(cfg, (9,), seed=1)[0]
+
+    def logits_of(order: list, seed: int):
+        """The logits [rows, V] of `mine` with the other slots holding prompts of `order` (None: empty)."""
+        batch = empty_batch(params, cfg, settings, 4)
+        others = iter(prompts(cfg, (6, 13, 4), seed=seed))
+        for slot, what in enumerate(order):
+            if what is None:
+                continue
+            p = mine if what == "mine" else next(others)
+            padded = np.zeros((MAX_LEN,), np.int32)
+            padded[: len(p)] = p
+            batch = fill_slot(params, cfg, settings, batch, slot, padded, len(p), 10, eos_array((), cfg))
+        drafts = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (4, settings.k)), jnp.int32)
+        drafts = drafts.at[order.index("mine")].set(jnp.asarray([3, 1, 4], jnp.int32))
+        step = jax.jit(jax.vmap(lambda st, d: verify_tile(params, cfg, st, d, tile_rows=rows)[1]))
+        return np.asarray(step(batch.state, drafts))[order.index("mine")]
+
+    alone = logits_of(["mine", None, None, None], 0)
+    assert np.array_equal(bits(alone), bits(logits_of(["mine", "x", "x", "x"], 1)))
+    assert np.array_equal(bits(alone), bits(logits_of(["x", "x", "mine", "x"], 2)))
+
+
+@pytest.mark.parametrize(
+    "family,mtp,drafter,sampled",
+    [
+        ("qwen2", False, "lookup", False),
+        ("llama", False, None, True),
+        ("qwen3_next", False, "lookup", True),
+        ("glm4", True, "mtp", False),
+        ("qwen3_next", True, "mtp", True),
+    ],
+)
+def test_batch_tokens_equal_each_prompt_generated_alone(family, mtp, drafter, sampled):
+    """7 prompts of other lengths and budgets through 3 slots (slots stop and take the next prompt mid-run), greedy
+    or sampled with a seed per prompt: every sequence's tokens equal `generate` of it alone without a drafter."""
+    params, cfg = model(family, mtp)
+    eng = engine(family, 3, mtp)
+    ps = prompts(cfg)
+    budgets = [12, 3, 20, 8, 1, 15, 10]
+    samplers = [jspec.Sampler(temperature=0.9, top_p=0.9, seed=i) for i in range(len(ps))] if sampled else None
+    d = {"lookup": jspec.PromptLookup(), "mtp": jspec.MTPDrafter(), None: None}[drafter]
+    out = eng.generate_batch(ps, budgets, drafter=d, sampler=samplers, eos_id=())
+    for i, (p, budget) in enumerate(zip(ps, budgets, strict=True)):
+        alone = eng.generate(p, budget, sampler=None if samplers is None else samplers[i], eos_id=())
+        assert out.results[i].tokens == alone.tokens, f"prompt {i}"
+        assert out.results[i].stats.new_tokens == budget and out.results[i].stats.stop_reason == "max_new_tokens"
+    if drafter is not None:
+        assert sum(r.stats.verify_steps for r in out.results) > 0  # not vacuous: drafts were verified
+    assert out.stats.new_tokens == sum(budgets) and 0 < out.stats.slot_occupancy <= 1
+
+
+def test_batch_of_one_and_eos_and_draft_models():
+    """batch_size 1 runs `generate`'s tokens; an EOS stops its sequence alone; a draft model drafts per slot."""
+    params, cfg = model("qwen2")
+    ps = prompts(cfg)[:4]
+    one = engine("qwen2", 1)
+    want = [one.generate(p, 10, eos_id=()).tokens for p in ps]
+    assert [r.tokens for r in one.generate_batch(ps, 10, eos_id=()).results] == want
+    eos = want[0][4]  # prompt 0 stops at its fifth token; the others where (and if) that token comes
+    out = engine("qwen2", 2).generate_batch(ps, 10, eos_id=eos)
+    for r, w in zip(out.results, want, strict=True):
+        cut = w.index(eos) + 1 if eos in w else len(w)
+        assert r.tokens == w[:cut] and r.stats.stop_reason == ("eos" if eos in w else "max_new_tokens")
+    dcfg = tiny_config("llama")
+    drafted = engine("qwen2", 2).generate_batch(ps, 10, drafter=jspec.DraftModel(tiny_params(dcfg, seed=9), dcfg))
+    assert [r.tokens for r in drafted.results] == [one.generate(p, 10).tokens for p in ps]
+
+
+def test_generate_batch_on_device_inside_jit():
+    """A fixed set of prompts in one executable, under the caller's jax.jit: each slot's tokens are its prompt's
+    alone; a bad request (prompt_len 0) leaves its slot empty and is reported by its index."""
+    params, cfg = model("llama")
+    eng = engine("llama", 4)
+    ps = prompts(cfg, (5, 11, 3, 8))
+    settings = eng.settings(drafter=jspec.PromptLookup())
+    padded = np.zeros((4, 24), np.int32)
+    for i, p in enumerate(ps):
+        padded[i, : len(p)] = p
+    lens = np.asarray([len(p) for p in ps], np.int32)
+    eos = np.stack([eos_array((), cfg)] * 4)
+    run = jax.jit(lambda pr, n: jspec.generate_batch_on_device(params, cfg, pr, n, np.full(4, 9), settings, eos))
+    out = jax.device_get(run(padded, lens)).raise_if_error()
+    for i, p in enumerate(ps):
+        assert list(out.tokens[i, : out.num_tokens[i]]) == eng.generate(p, 9, eos_id=()).tokens
+    bad = jax.device_get(run(padded, np.where(np.arange(4) == 2, 0, lens).astype(np.int32)))
+    assert int(bad.num_tokens[2]) == 0 and int(bad.error[2]) == 1
+    assert list(bad.tokens[0, : bad.num_tokens[0]]) == list(out.tokens[0, : out.num_tokens[0]])
+    with pytest.raises(ValueError, match="refused request 2"):
+        bad.raise_if_error()
+
+
+def test_batch_bad_input():
+    params, cfg = model("qwen2")
+    eng = engine("qwen2", 2)
+    with pytest.raises(ValueError, match="batch_size"):
+        jspec.Engine(params, cfg, max_len=MAX_LEN, batch_size=0)
+    with pytest.raises(ValueError, match="prompt list is empty"):
+        eng.generate_batch([], 4)
+    with pytest.raises(ValueError, match="prompt 1: "):
+        eng.generate_batch([[1, 2], [1, cfg.vocab_size], [3]], 4)
+    with pytest.raises(ValueError, match="prompt 2: .*exceeds the cache"):
+        eng.generate_batch([[1], [2], [3] * 60], 10)
+    with pytest.raises(ValueError, match="max_new_tokens: 2 values for 3 prompts"):
+        eng.generate_batch([[1], [2], [3]], [4, 5])
+    with pytest.raises(ValueError, match="sampler 1's processors"):
+        eng.generate_batch([[1], [2]], 4, sampler=[jspec.Sampler(top_p=0.9), jspec.Sampler()])
+    with pytest.raises(TypeError, match="list of token-id sequences"):
+        eng.generate_batch("hello", 4)
+    with pytest.raises(jspec.MemoryBudgetError, match="batch_size=100000"):
+        jspec.Engine(params, cfg, max_len=4096, batch_size=100_000)
