@@ -99,7 +99,12 @@ def test_quick_peer_targets_plots_and_table(quick, capsys):
         assert v["greedy_tok_s"] > 0 and v["lookup_tok_s"] > 0 and isinstance(v["lookup_equals_greedy"], bool)
         assert isinstance(v["greedy_static_equals_dynamic"], bool)
     targets = {t["name"]: t for t in data["targets"]}
-    assert len(targets) == 9 and all(t["met"] is None for t in targets.values())  # a quick run claims nothing
+    assert len(targets) == 10 and all(t["met"] is None for t in targets.values())  # a quick run claims nothing
+    sampler = targets["the sampler costs < 3% of a decode step (llama-3-8b)"]
+    assert sampler["value"] > 0 and data["sections"]["sampling"]["rows"] == {"step": 8, "tile": 16}  # k + 1 rows
+    batch = data["sections"]["batch"]
+    assert all(r["identical"] for r in batch["greedy"].values()) and batch["greedy"]["4"]["vs_b1"] > 0
+    assert all(r["identical"] and r["lookup"]["mean_accepted"] > 1 for r in batch["lookup"].values())
     assert targets["zero recompiles after warm-up (e2e engines)"]["value"] == 0
     assert all("not evaluated" in t["detail"] for t in targets.values())
     assert sorted(data["plots"]) == sorted(str(out / "plots" / f) for f in ("roofline.png", "speedup.png"))
