@@ -8,6 +8,8 @@
 2. Prompt lookup at B = 4 and 8 with k = 3 and 7 on the e2e section's echo prompts (each slot its own prompt):
    tokens/s against greedy at the same B, mean_accepted; every sequence's tokens against the engine's greedy
    batch (speculative == greedy, an identity check).
+3. With --peer-hf: HuggingFace transformers' batched greedy generate at the same shape and batch sizes (bf16, sdpa,
+   a StaticCache; the prompts share one length, so no padding), decode tokens/s as (N + n) minus (N + 1) tokens.
 The attention output is scaled as in e2e (--o-factor) so the random model's continuation follows the echo.
 """
 
@@ -21,8 +23,9 @@ import numpy as np
 from jspec.drafters import PromptLookup
 from jspec.engine import Engine
 from jspec_bench.e2e import echo_prompt, random_filler
+from jspec_bench.peer import _hf_generate
 from jspec_bench.report import Context
-from jspec_bench.shapes import scale_attention_output
+from jspec_bench.shapes import hf_config_dict, scale_attention_output
 from jspec_bench.steps import _load_model
 
 BATCH_SIZES = (1, 4, 16, 64)
@@ -38,6 +41,7 @@ def _decode_rate(result) -> dict:
         "wall_s": s.wall_time_s,
         "prefill_s": s.prefill_time_s,
         "decode_tok_s": s.new_tokens / decode_s,
+        "ms_per_round": 1e3 * decode_s / s.rounds if s.rounds else None,  # a batch step, host loop included
         "rounds": s.rounds,
         "slot_occupancy": s.slot_occupancy,
         "mean_accepted": _mean_accepted(result),
@@ -108,6 +112,13 @@ def section_batch(ctx: Context, sec: dict) -> None:
         ctx.report.save()
         engine = None  # noqa: F841
         gc.collect()
+    if opts.peer_hf:
+        sec["peer_hf"] = _hf_batches(ctx, name, sizes, prompts, n)
+        ctx.report.save()
+        for b, r in sec["greedy"].items():
+            peer = sec["peer_hf"].get(b, {}).get("decode_tok_s")
+            if peer and "decode_tok_s" in r:
+                r["vs_transformers"] = r["decode_tok_s"] / peer
     sec["lookup"] = {}
     for b, k in lookups:
         why = ctx.budget.why_not(10.0 if opts.quick else 40.0, f"batch lookup B={b} k={k}")
@@ -140,3 +151,31 @@ def section_batch(ctx: Context, sec: dict) -> None:
         ctx.report.save()
         engine = None  # noqa: F841
         gc.collect()
+
+
+def _hf_batches(ctx: Context, name: str, sizes, prompts: list, n: int) -> dict:
+    """transformers' batched greedy generate (bf16, sdpa, StaticCache) per batch size: decode tokens/s of the batch
+    from two runs, n and 1 new tokens (the prefill cancels)."""
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = hf_config_dict(name, ctx.opts.quick)
+    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    torch.manual_seed(ctx.opts.seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16).eval()
+    out = {"transformers": transformers.__version__, "torch": torch.__version__, "setup": "bf16, sdpa, StaticCache"}
+    for b in sizes:
+        why = ctx.budget.why_not(5.0 if ctx.opts.quick else 30.0, f"transformers batch B={b}")
+        if why:
+            out[str(b)] = {"status": "skipped", "reason": why}
+            continue
+        ids = np.stack([prompts[i][1] for i in range(b)]) % config.vocab_size
+        _hf_generate(model, config, ids, 2, None, device)  # warm
+        _, one_s = _hf_generate(model, config, ids, 1, None, device)
+        _, full_s = _hf_generate(model, config, ids, n, None, device)
+        out[str(b)] = {"decode_tok_s": b * (n - 1) / (full_s - one_s), "wall_s": full_s, "first_token_s": one_s}
+        print(f"  transformers batch B={b}: {out[str(b)]['decode_tok_s']:.0f} tok/s decode", flush=True)
+    return out

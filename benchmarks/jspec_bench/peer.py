@@ -99,25 +99,27 @@ def section_peer(ctx: Context, sec: dict) -> None:
 
 def _hf_generate(model, config, ids: np.ndarray, new: int, lookup: int | None, device: str, static: bool = True):
     """(new tokens list, seconds) of model.generate; greedy with a StaticCache when `static`, else (and always for
-    prompt lookup) the default dynamic cache."""
+    prompt lookup) the default dynamic cache. ids [L], or [B, L] for a batch of prompts of one length (then a list
+    of B token lists)."""
     import warnings
 
     import torch
     from transformers import StaticCache
 
-    x = torch.as_tensor(ids[None].astype(np.int64), device=device)
+    x = torch.as_tensor((ids if ids.ndim == 2 else ids[None]).astype(np.int64), device=device)
     kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     if lookup:  # assisted generation refuses static caches (transformers 5.17): the default dynamic cache
         kwargs["prompt_lookup_num_tokens"] = lookup
     elif static:  # `past_key_values`: the name every release takes (5.24 deprecates it for `cache`; 5.17 rejects that)
-        kwargs["past_key_values"] = StaticCache(config=config, max_cache_len=len(ids) + new + 1)
+        kwargs["past_key_values"] = StaticCache(config=config, max_cache_len=x.shape[1] + new + 1)
     _sync(device)
     t0 = time.perf_counter()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
         out = model.generate(x, **kwargs)
     _sync(device)
-    return out[0, len(ids) :].tolist(), time.perf_counter() - t0
+    tokens = out[:, x.shape[1] :].tolist()
+    return (tokens if ids.ndim == 2 else tokens[0]), time.perf_counter() - t0
 
 
 def _sync(device: str) -> None:
