@@ -21,7 +21,7 @@ from typing import Any
 
 from jspec.config import ModelConfig
 from jspec.engine import Engine, GenerationResult
-from jspec.stats import SpecStats
+from jspec.stats import BatchStats, SpecStats
 
 OWN_CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints" / "__init__.py"
 DEMO_NAMES = ("demo",)
@@ -110,13 +110,32 @@ class Model:
                 return (token,)
         return ()
 
-    def engine(self, max_len: int, k: int = 4) -> Engine:
-        """An Engine for max_len positions and draft length k: the last one built if it has room and that k."""
+    def engine(self, max_len: int, k: int = 4, batch_size: int = 1) -> Engine:
+        """An Engine for max_len positions, draft length k and batch_size slots: the last one built if it has room,
+        that k and that batch size."""
         cached = self._engine
-        if cached is None or cached.k != k or cached.max_len < max_len:
+        if cached is None or cached.k != k or cached.max_len < max_len or cached.batch_size != batch_size:
             self._engine = None  # let the previous engine's prepared weights go first
-            self._engine = Engine(self.params, self.cfg, max_len=max_len, k=k)
+            self._engine = Engine(self.params, self.cfg, max_len=max_len, k=k, batch_size=batch_size)
         return self._engine
+
+    def generate_batch(
+        self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 128, *, batch_size: int = 8, **options
+    ) -> tuple[list[TextResult], BatchStats]:
+        """Texts (or token-id lists) in -> (one TextResult per prompt, in order; the BatchStats), generated
+        batch_size at a time (`Engine.generate_batch`: each sequence's tokens are those `generate` gives it alone).
+        Options: drafter, gate, sampler (one or one per prompt), k (default 4), max_len (default: the longest
+        prompt + max_new_tokens, rounded up), eos_id (default: `eos_ids`), progress, rounds_per_call."""
+        ids = [self.encode(p) if isinstance(p, str) else p for p in prompts]
+        k = options.pop("k", 4)
+        max_len = options.pop("max_len", None)
+        options.setdefault("eos_id", self.eos_ids)
+        if max_len is None:
+            need = max((len(p) for p in ids), default=1) + max_new_tokens
+            max_len = max(need, min(-(-need // 512) * 512, self.cfg.max_position_embeddings))
+        out = self.engine(max_len, k, batch_size).generate_batch(ids, max_new_tokens, **options)
+        texts = [self.decode(r.tokens) if self.tokenizer is not None else "" for r in out.results]
+        return [TextResult(t, r.tokens, r.stats) for t, r in zip(texts, out.results, strict=True)], out.stats
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, **options) -> TextResult:
         """Text (or token ids) in -> TextResult(text = the new text, tokens, stats). Options: drafter, gate, k
