@@ -386,6 +386,23 @@ def test_mtp_drafter_bad_input():
         jspec.generate(*two, [1, 2, 3], 20, drafter=jspec.MTPDrafter(), k=15)
 
 
+def test_mtp_drafter_names_a_missing_or_misshaped_tensor():
+    """Hybrid target (Qwen3-Next layout): an MTP head built by hand with a tensor missing, mis-shaped or extra is
+    refused when the drafter traces, naming that tensor."""
+    model_type, kwargs = TINY_HF_CONFIGS["qwen3_next"]
+    cfg = jspec.ModelConfig.from_hf(dict(kwargs, model_type=model_type, mtp_num_hidden_layers=1))
+    params = family_module(cfg).init_params(cfg, jax.random.PRNGKey(3), jnp.float32)
+    head = init_mtp_params(cfg, jax.random.PRNGKey(4), jnp.float32)[0]
+    cases = {
+        "params\\['mtp'\\]\\[0\\]\\['fc'\\] is missing": {k: v for k, v in head.items() if k != "fc"},
+        "\\['layer'\\]\\['o'\\] has shape": dict(head, layer=dict(head["layer"], o=head["layer"]["o"][:, :-1])),
+        "\\['bias'\\] is not a tensor": dict(head, bias=jnp.zeros(3)),
+    }
+    for message, bad in cases.items():
+        with pytest.raises(ValueError, match=message):
+            jspec.generate(dict(params, mtp=[bad]), cfg, [1, 2, 3], 4, drafter=jspec.MTPDrafter(), k=2)
+
+
 def test_hybrid_mtp_speculative_equals_greedy():
     """Qwen3-Next layout on a tiny qwen3_next model with a random MTP head: speculative == plain greedy."""
     model_type, kwargs = TINY_HF_CONFIGS["qwen3_next"]

@@ -29,7 +29,7 @@ from jspec.config import ModelConfig
 from jspec.models.dense import kv_cache
 from jspec.models.layers import Run
 from jspec.models.layers import logits as logits_from_hidden
-from jspec.models.mtp import mtp_layer
+from jspec.models.mtp import init_mtp_params, mtp_layer
 from jspec.state import DecodeState, physical_length
 from pallas_kernels import ROW_TILE
 
@@ -146,10 +146,32 @@ class MTPDrafter:
 
 
 def _num_layers(params: dict, cfg: ModelConfig) -> int:
+    """The MTP layers of params["mtp"], each checked against the layout `init_mtp_params` gives the config (every
+    tensor present, each of its logical shape); raises naming the first tensor that is missing, extra or mis-shaped."""
     num_layers = len(params.get("mtp") or [])
     if num_layers == 0 or cfg.num_mtp_layers != num_layers:
         raise ValueError(
             f"MTPDrafter needs the model's MTP head: cfg.num_mtp_layers={cfg.num_mtp_layers}, params carry "
             f"{num_layers} MTP layer(s) (params['mtp']); load a checkpoint with MTP weights"
         )
+    want = jax.eval_shape(lambda: init_mtp_params(cfg, jax.random.PRNGKey(0), num_layers=num_layers))
+    for i, (have, expected) in enumerate(zip(params["mtp"], want, strict=True)):
+        _check_tree(have, expected, f"params['mtp'][{i}]")
     return num_layers
+
+
+def _check_tree(have, want, path: str) -> None:
+    """have: a params subtree (dicts of arrays or int4 weights); want: its expected shapes (eval_shape)."""
+    if isinstance(want, dict):
+        if not isinstance(have, dict):
+            raise ValueError(f"MTPDrafter: {path} must be a dict of tensors, got {type(have).__name__}")
+        missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+        if missing or extra:
+            what = f"{path}[{(missing or extra)[0]!r}]"
+            raise ValueError(f"MTPDrafter: {what} is {'missing' if missing else 'not a tensor of an MTP layer'}")
+        for key in want:
+            _check_tree(have[key], want[key], f"{path}[{key!r}]")
+        return
+    shape = tuple(getattr(have, "shape", ()))  # an array, or an int4 weight's logical [K, N]
+    if shape != tuple(want.shape):
+        raise ValueError(f"MTPDrafter: {path} has shape {shape}, the config's MTP layer needs {tuple(want.shape)}")
