@@ -126,6 +126,39 @@ def test_threshold_search_finds_the_smallest_passing_float(weighted):
     assert (stat(t) < limit).all() and (stat(np.nextafter(t, np.float32(-np.inf))) >= limit).all()
 
 
+@pytest.mark.parametrize(
+    "sampler", [Sampler(temperature=0.7, top_p=0.9), Sampler(temperature=1.5, top_k=50), Sampler(top_k=1)]
+)
+def test_candidates_first_choice_is_the_processed_argmax(sampler):
+    """choose_rows with top-k or top-p alone tests the best perturbed candidates first: the same tokens as the
+    argmax of processed logits + noise (the threshold path), over rows of every sharpness and many seeds."""
+    rng = np.random.default_rng(3)
+    positions = jnp.arange(16, dtype=jnp.int32) + 5
+    choose = jax.jit(choose_rows, static_argnums=2)
+    full = jax.jit(lambda z, v: jnp.argmax(processed(z, sampler.mode, v) + sampling.gumbel_rows(v, positions, V), -1))
+    for seed in range(8):
+        logits = jnp.asarray(rng.standard_normal((16, V)) * rng.uniform(0.05, 5, (16, 1)), jnp.float32)
+        values = dataclasses.replace(sampler.values(), key=jax.random.key_data(jax.random.PRNGKey(seed)))
+        np.testing.assert_array_equal(choose(logits, positions, sampler.mode, values), full(logits, values))
+
+
+def test_a_row_choice_does_not_depend_on_whether_other_rows_search():
+    """Row 0 (sharp: its first candidate is kept) chooses the same token whether the other rows are sharp too (no
+    threshold search runs) or flat under a tiny top-p (none of their candidates is kept: the search runs), and each
+    of those rows chooses the processed argmax."""
+    s = Sampler(top_p=1e-6, seed=4)
+    rng = np.random.default_rng(5)
+    sharp = rng.standard_normal((16, V)).astype(np.float32) * 6
+    flat = sharp.copy()
+    flat[1:] = rng.standard_normal((15, V)).astype(np.float32) * 0.01
+    positions = jnp.arange(16, dtype=jnp.int32)
+    choose = jax.jit(choose_rows, static_argnums=2)
+    a, b = (np.asarray(choose(jnp.asarray(x), positions, s.mode, s.values())) for x in (sharp, flat))
+    assert a[0] == b[0]
+    want = np.argmax(np.asarray(processed(jnp.asarray(flat), s.mode, s.values())), -1)  # top-p 1e-6 keeps the top
+    np.testing.assert_array_equal(b, want)
+
+
 def _draws(logits: np.ndarray, s: Sampler, seeds: int, positions) -> np.ndarray:
     """tokens [seeds, len(positions)]: choose at each position for seeds 0..seeds-1 (one row of logits)."""
     keys = jax.vmap(lambda i: jax.random.key_data(jax.random.PRNGKey(i)))(jnp.arange(seeds, dtype=jnp.uint32))
