@@ -91,6 +91,8 @@ def _row_tiles_vmap(axis_size: int, in_batched, x: jax.Array, w: Weight):
     b, m, k = x.shape
     flat = x.reshape(b * m, k)
     tile = _backend.ROW_TILE
+    if b * m > tile:  # the tiles slice a materialized array: XLA fuses none of them with x's producer (rule 7)
+        flat = jax.lax.optimization_barrier(flat)
     y = jnp.concatenate([_row_tiles(flat[i : i + tile], w) for i in range(0, b * m, tile)])
     return y.reshape(b, m, y.shape[-1]), True
 

@@ -50,18 +50,20 @@ def prompts(cfg, lengths=(5, 11, 3, 20, 7, 9, 2), seed=0) -> list[list[int]]:
     return out
 
 
-def test_slot_logits_bits_do_not_depend_on_the_other_slots_or_the_slot():
-    """One verify-shaped batch step: a sequence's logits rows are the same bits in slot 0 beside three other prompts
-    (other lengths, other drafts), in slot 2 beside others again, and with the other slots empty."""
+@pytest.mark.parametrize("slots", [4, 5])
+def test_slot_logits_bits_do_not_depend_on_the_other_slots_or_the_slot(slots):
+    """One verify-shaped batch step (4 rows a slot: one row tile for 4 slots, two for 5, the fifth slot's rows in
+    the second): a sequence's logits rows are the same bits in the first slot beside other prompts (other lengths,
+    other drafts), in the last slot beside others again, and with the other slots empty."""
     params, cfg = model("qwen2")
-    settings = engine("qwen2", 4).settings(drafter=jspec.PromptLookup())
+    settings = engine("qwen2", slots).settings(drafter=jspec.PromptLookup())
     rows = slot_rows(settings)
     mine = prompts(cfg, (9,), seed=1)[0]
 
     def logits_of(order: list, seed: int):
-        """The logits [rows, V] of `mine` with the other slots holding prompts of `order` (None: empty)."""
-        batch = empty_batch(params, cfg, settings, 4)
-        others = iter(prompts(cfg, (6, 13, 4), seed=seed))
+        """The logits [rows, V] of `mine` with the other slots holding prompts ("x") or empty (None)."""
+        batch = empty_batch(params, cfg, settings, slots)
+        others = iter(prompts(cfg, (6, 13, 4, 8), seed=seed))
         for slot, what in enumerate(order):
             if what is None:
                 continue
@@ -69,14 +71,14 @@ def test_slot_logits_bits_do_not_depend_on_the_other_slots_or_the_slot():
             padded = np.zeros((MAX_LEN,), np.int32)
             padded[: len(p)] = p
             batch = fill_slot(params, cfg, settings, batch, slot, padded, len(p), 10, eos_array((), cfg))
-        drafts = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (4, settings.k)), jnp.int32)
+        drafts = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (slots, settings.k)), jnp.int32)
         drafts = drafts.at[order.index("mine")].set(jnp.asarray([3, 1, 4], jnp.int32))
         step = jax.jit(jax.vmap(lambda st, d: verify_tile(params, cfg, st, d, tile_rows=rows)[1]))
         return np.asarray(step(batch.state, drafts))[order.index("mine")]
 
-    alone = logits_of(["mine", None, None, None], 0)
-    assert np.array_equal(bits(alone), bits(logits_of(["mine", "x", "x", "x"], 1)))
-    assert np.array_equal(bits(alone), bits(logits_of(["x", "x", "mine", "x"], 2)))
+    alone = logits_of(["mine"] + [None] * (slots - 1), 0)
+    assert np.array_equal(bits(alone), bits(logits_of(["mine"] + ["x"] * (slots - 1), 1)))
+    assert np.array_equal(bits(alone), bits(logits_of(["x"] * (slots - 1) + ["mine"], 2)))
 
 
 @pytest.mark.parametrize(
