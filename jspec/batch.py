@@ -29,6 +29,7 @@ from jspec.loop import (
     DeviceGeneration,
     Loop,
     LoopSettings,
+    check_drafter_params,
     prefill_round,
     request_error,
     slot_round,
@@ -63,12 +64,12 @@ def batch_round(params: dict, cfg: ModelConfig, settings: LoopSettings, batch: L
     """One round of every running slot (stopped slots keep their state)."""
     rows = slot_rows(settings)
     new = jax.vmap(lambda lp: slot_round(params, cfg, settings, lp, rows, own))(batch)
-    done = batch.done
+    return _where_slots(batch.done, batch, new)
 
-    def keep(n, o):
-        return jnp.where(done.reshape(done.shape + (1,) * (n.ndim - 1)), o, n)
 
-    return jax.tree.map(keep, new, batch)
+def _where_slots(mask: jax.Array, a, b):
+    """Pytrees a, b with a leading [B] axis: slot i from a where mask[i] (bool [B]), else from b."""
+    return jax.tree.map(lambda x, y: jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 1)), x, y), a, b)
 
 
 @jax.tree_util.register_dataclass
@@ -135,9 +136,7 @@ def generate_batch_on_device(
             raise ValueError(f"{name} must have shape {shape} (one per prompt), got {jnp.shape(x)}")
     if (sampler is None) != (settings.sampling is None):
         raise ValueError("pass sampler values (a leading [B] axis) exactly when the settings sample")
-    needs = getattr(settings.drafter, "weights", None) is not None
-    if needs != (drafter_params is not None):
-        raise ValueError("drafter_params must be the drafter's weights exactly when it has its own (DraftModel)")
+    check_drafter_params(settings, drafter_params)
     prompts = jnp.pad(jnp.asarray(prompts, jnp.int32), ((0, 0), (0, settings.max_len - t)))
     lens, max_new = jnp.asarray(prompt_lens, jnp.int32), jnp.asarray(max_new_tokens, jnp.int32)
     eos = jnp.asarray(eos_ids, jnp.int32)
@@ -158,5 +157,5 @@ def generate_batch_on_device(
     filled = errors == 0
     n_out = jnp.where(filled, batch.n_out, 0)
     stop = jnp.where(filled, batch.stop, STOP_RUNNING)
-    counters = jax.tree.map(lambda c: jnp.where(filled.reshape((b,) + (1,) * (c.ndim - 1)), c, 0), batch.counters)
+    counters = _where_slots(filled, batch.counters, jax.tree.map(jnp.zeros_like, batch.counters))
     return DeviceGeneration(tokens, n_out, stop, counters, errors)

@@ -84,6 +84,13 @@ class Request:
     max_new: int
     eos: np.ndarray
 
+    def loop_args(self, max_len: int) -> tuple:
+        """(prompt padded to max_len, its length, max_new_tokens, EOS ids): a request's arguments of the loop's
+        executables."""
+        padded = np.zeros((max_len,), np.int32)
+        padded[: self.prompt.size] = self.prompt
+        return padded, np.int32(self.prompt.size), np.int32(self.max_new), self.eos
+
 
 class Engine:
     """Compiles and runs generation for one model (params, cfg) with caches of max_len positions.
@@ -242,6 +249,14 @@ class Engine:
             prepare = resolve_prepare(None if self.prepared else False, own, dtype, backend)
             self._drafter_weights = (own, prepare_params(own, dtype, backend) if prepare else own)
         return self.params, self._drafter_weights[1]
+
+    def _checked_weights(self, settings: LoopSettings) -> tuple:
+        """`_weights` for the settings' drafter, after checking (once per setting) that a generation fits."""
+        weights = self._weights(settings.drafter)
+        if settings not in self._memory_checked:
+            self._check_memory(self.params, settings, own=weights[1])
+            self._memory_checked.add(settings)
+        return weights
 
     def _start_exec(self, settings: LoopSettings, weights: tuple):
         def run(weights, prompt, length, max_new, eos_ids, sampler=None):
@@ -429,10 +444,7 @@ class Engine:
                 "of processors (greedy or a Sampler.mode); the values and seeds may differ per prompt"
             )
         settings = self.settings(drafter=drafter, gate=gate, sampler=None if modes[0] is None else samplers[0])
-        weights = self._weights(settings.drafter)
-        if settings not in self._memory_checked:
-            self._check_memory(self.params, settings, own=weights[1])
-            self._memory_checked.add(settings)
+        weights = self._checked_weights(settings)
         empty, fill, rounds = self._batch_execs(settings, weights)
         b = self.batch_size
         stats = BatchStats(sequences=n, batch_size=b)
@@ -445,13 +457,9 @@ class Engine:
             for slot in range(b):
                 if holder[slot] is None and queue:
                     i = queue.popleft()
-                    r, s = requests[i], samplers[i]
-                    padded = np.zeros((self.max_len,), np.int32)
-                    padded[: r.prompt.size] = r.prompt
-                    values = () if settings.sampling is None else (s.values(),)
+                    values = () if settings.sampling is None else (samplers[i].values(),)
                     began[i] = time.perf_counter()
-                    batch = fill(weights, batch, np.int32(slot), padded, np.int32(r.prompt.size),
-                                 np.int32(r.max_new), r.eos, *values)  # fmt: skip
+                    batch = fill(weights, batch, np.int32(slot), *requests[i].loop_args(self.max_len), *values)
                     jax.block_until_ready(batch.n_out)
                     stats.prefill_time_s += time.perf_counter() - began[i]
                     holder[slot] = i
@@ -489,15 +497,10 @@ class Engine:
         checks.instance(progress, bool, "progress", "True or False", optional=False)
         request = self.request(prompt_ids, max_new_tokens, eos_id)
         settings = self.settings(**setting)
-        weights = self._weights(settings.drafter)
-        if settings not in self._memory_checked:
-            self._check_memory(self.params, settings, own=weights[1])
-            self._memory_checked.add(settings)
-        padded = np.zeros((self.max_len,), np.int32)
-        padded[: request.prompt.size] = request.prompt
+        weights = self._checked_weights(settings)
         sampler = setting["sampler"]
         values = () if settings.sampling is None else (sampler.values(),)
-        args = (weights, padded, np.int32(request.prompt.size), np.int32(request.max_new), request.eos, *values)
+        args = (weights, *request.loop_args(self.max_len), *values)
         stats = SpecStats(prompt_tokens=int(request.prompt.size), exact=settings.tie_guard.exact)
         stats.sampler = None if sampler is None else dataclasses.asdict(sampler)
         if on_device:

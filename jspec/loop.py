@@ -269,13 +269,19 @@ def _sample_tile(settings: LoopSettings, loop: Loop, tile: jax.Array, row_tokens
     after it, so XLA narrows neither to the rows a step uses (rule 7). (The rows past k + 1 are never read: sampling
     them cost a 16-row tile's search, +4-6% of an 8B-shape step at top-p, bench_sampling_h200.json.)"""
     state = loop.state  # before the step: position p, history[0..p]
-    rows = min(settings.k + 1, tile.shape[0])  # a batch slot without a drafter has one row
-    tile = jax.lax.optimization_barrier(tile)[:rows]
+    tile = _step_rows(settings, tile)
+    rows = tile.shape[0]
     positions = state.position + 1 + jnp.arange(rows, dtype=jnp.int32)
     seen = (
         seen_rows(state.tokens, state.position, row_tokens[:rows], tile.shape[1]) if settings.sampling.penalty else None
     )
     return jax.lax.optimization_barrier(choose_rows(tile, positions, settings.sampling, loop.sampler, seen))
+
+
+def _step_rows(settings: LoopSettings, tile: jax.Array) -> jax.Array:
+    """The rows of a step's logits tile [T, V] that a verify can use: the first k + 1 (all T of a batch slot with
+    fewer), after a barrier (rule 7)."""
+    return jax.lax.optimization_barrier(tile)[: min(settings.k + 1, tile.shape[0])]
 
 
 def _chooser(settings: LoopSettings, loop: Loop):
@@ -340,7 +346,7 @@ def slot_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loo
     else:
         state, tile, row_tokens = verify_tile(params, cfg, loop.state, loop.draft, tile_rows=rows)
     if settings.sampling is None:
-        chosen = jnp.argmax(jax.lax.optimization_barrier(tile)[: settings.k + 1], axis=-1).astype(jnp.int32)
+        chosen = jnp.argmax(_step_rows(settings, tile), axis=-1).astype(jnp.int32)
     else:
         chosen = _sample_tile(settings, loop, tile, row_tokens)
     if rows == 1:
@@ -518,13 +524,7 @@ def generate_on_device(
         raise TypeError(f"prompt must be a 1-D integer array, got {jnp.shape(prompt)} {jnp.result_type(prompt)}")
     if prompt.shape[0] > settings.max_len:
         raise ValueError(f"prompt array of {prompt.shape[0]} tokens is longer than max_len {settings.max_len}")
-    needs = getattr(settings.drafter, "weights", None) is not None
-    if needs != (drafter_params is not None):
-        raise ValueError(
-            "pass the drafter's weights as drafter_params=drafter.weights (a runtime argument)"
-            if needs
-            else "drafter_params given but the settings' drafter has no weights of its own"
-        )
+    check_drafter_params(settings, drafter_params)
     eos = eos_ids if isinstance(eos_ids, jax.Array) else eos_array(eos_ids, cfg)
     values = sampler_values(sampler, settings)
     prompt = jnp.asarray(prompt, jnp.int32)
@@ -541,6 +541,17 @@ def generate_on_device(
 
     out = jax.lax.cond(error == 0, run, refuse, None)
     return dataclasses.replace(out, error=error)
+
+
+def check_drafter_params(settings: LoopSettings, drafter_params) -> None:
+    """Raise unless drafter_params is given exactly when the settings' drafter has weights of its own."""
+    needs = getattr(settings.drafter, "weights", None) is not None
+    if needs != (drafter_params is not None):
+        raise ValueError(
+            "pass the drafter's weights as drafter_params=drafter.weights (a runtime argument)"
+            if needs
+            else "drafter_params given but the settings' drafter has no weights of its own"
+        )
 
 
 def sampler_values(sampler, settings: LoopSettings) -> SamplerValues | None:

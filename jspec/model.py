@@ -131,8 +131,7 @@ class Model:
         max_len = options.pop("max_len", None)
         options.setdefault("eos_id", self.eos_ids)
         if max_len is None:
-            need = max((len(p) for p in ids), default=1) + max_new_tokens
-            max_len = max(need, min(-(-need // 512) * 512, self.cfg.max_position_embeddings))
+            max_len = self._default_max_len(max((len(p) for p in ids), default=1) + max_new_tokens)
         out = self.engine(max_len, k, batch_size).generate_batch(ids, max_new_tokens, **options)
         texts = [self.decode(r.tokens) if self.tokenizer is not None else "" for r in out.results]
         return [TextResult(t, r.tokens, r.stats) for t, r in zip(texts, out.results, strict=True)], out.stats
@@ -156,8 +155,7 @@ class Model:
         max_len = options.pop("max_len", None)
         options.setdefault("eos_id", self.eos_ids)
         if max_len is None:
-            need = len(ids) + max_new_tokens
-            max_len = max(need, min(-(-need // 512) * 512, self.cfg.max_position_embeddings))
+            max_len = self._default_max_len(len(ids) + max_new_tokens)
         engine = self.engine(max_len, k)
         run = engine.stream(ids, max_new_tokens, **options)
         tokens: list[int] = []
@@ -177,6 +175,11 @@ class Model:
         if len(text) > len(shown) and text.startswith(shown):
             yield text[len(shown) :]
         return TextResult(text, result.tokens, result.stats)
+
+    def _default_max_len(self, need: int) -> int:
+        """The cache a request of `need` positions gets: need rounded up to a multiple of 512 within the model's
+        max_position_embeddings (never below need)."""
+        return max(need, min(-(-need // 512) * 512, self.cfg.max_position_embeddings))
 
     def _need_tokenizer(self):
         if self.tokenizer is None:
