@@ -104,11 +104,12 @@ def evaluate_targets(data: dict) -> list[dict]:
         if label.startswith(("top_k", "top_p", "min_p", "temperature")) and "step" in r
     }
     worst = max(costs, key=costs.get) if costs and greedy_ms else None
+    fraction = None if worst is None else 1e3 * costs[worst] / greedy_ms
     add(
         f"the sampler costs < 3% of a decode step ({sampling.get('model')})",
         TARGETS["sampler_over_decode_step"],
-        None if worst is None else 1e3 * costs[worst] / greedy_ms,
-        None if worst is None else 1e3 * costs[worst] / greedy_ms < TARGETS["sampler_over_decode_step"],
+        fraction,
+        None if fraction is None else fraction < TARGETS["sampler_over_decode_step"],
         "not measured"
         if worst is None
         else f"the costliest processor, {worst} on {sampling['rows']['step']} rows: {costs[worst] * 1e6:.0f} us per "
