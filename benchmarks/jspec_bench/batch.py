@@ -5,6 +5,7 @@
    to B = 1. The contract (an identity check): `CHECKED` of the sequences, each run again alone in the same engine
    (the other slots empty), give the same tokens. A fact, not a requirement (docs/design.md rule 9): whether every
    sequence's tokens equal those of the B = 1 engine (`same_as_b1_engine`; a B-slot engine runs other shapes).
+   On the GPU, one round's kernel time by group (int4 kernels, attention, XLA ops) against the rows it runs.
 2. Prompt lookup at B = 4 and 8 with k = 3 and 7 on the e2e section's echo prompts (each slot its own prompt):
    tokens/s against greedy at the same B, mean_accepted; every sequence's tokens against the engine's greedy
    batch (speculative == greedy, an identity check).
@@ -24,9 +25,10 @@ from jspec.drafters import PromptLookup
 from jspec.engine import Engine
 from jspec_bench.e2e import echo_prompt, random_filler
 from jspec_bench.peer import _hf_generate
-from jspec_bench.report import Context
+from jspec_bench.report import Context, _error_text
 from jspec_bench.shapes import hf_config_dict, scale_attention_output
 from jspec_bench.steps import _load_model
+from jspec_bench.timing import kernel_times, profile
 
 BATCH_SIZES = (1, 4, 16, 64)
 CHECKED = 3  # sequences per batch size run again alone in the same engine
@@ -102,6 +104,10 @@ def section_batch(ctx: Context, sec: dict) -> None:
         r["same_as_b1_engine"] = sum(out.results[i].tokens == greedy_alone(i, batch[i]) for i in range(b))
         base = r["decode_tok_s"] if b == 1 else base
         r["vs_b1"] = r["decode_tok_s"] / base if base else None
+        try:
+            r["round_kernels"] = _round_kernels(engine, batch, n)
+        except Exception as e:  # the profiler is an add-on (another tool may hold CUPTI): record why, go on
+            r["round_kernels"] = {"error": _error_text(e)}
         print(
             f"  batch greedy B={b}: {r['decode_tok_s']:.0f} tok/s decode"
             + (f" ({r['vs_b1']:.2f}x B=1)" if r["vs_b1"] else "")
@@ -151,6 +157,32 @@ def section_batch(ctx: Context, sec: dict) -> None:
         ctx.report.save()
         engine = None  # noqa: F841
         gc.collect()
+
+
+def _round_kernels(engine: Engine, batch: list, n: int) -> dict | None:
+    """GPU kernel time of one greedy batch round by group (`timing.kernel_times`), the prefills cancelled: the
+    profile of n new tokens minus that of n // 2, over the rounds between them. None off the GPU."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        return None
+    runs, rounds = {}, {}
+    for tokens in (n // 2, n):
+
+        def run(t=tokens):
+            rounds[t] = engine.generate_batch(batch, t, eos_id=()).stats.rounds
+
+        runs[tokens] = (kernel_times(profile(run), 1), rounds[tokens])
+    (short, r0), (full, r1) = runs[n // 2], runs[n]
+    per = r1 - r0
+    groups = {g: round((us - short["groups_us"].get(g, 0.0)) / per, 1) for g, us in full["groups_us"].items()}
+    return {
+        "rows_per_round": engine.batch_size,
+        "kernel_us_per_round": round((full["kernel_us"] - short["kernel_us"]) / per, 1),
+        "launches_per_round": round((full["launches"] - short["launches"]) / per, 1),
+        "groups_us_per_round": groups,
+        "top_kernels_us_whole_run": full["top_kernels_us"],
+    }
 
 
 def _hf_batches(ctx: Context, name: str, sizes, prompts: list, n: int) -> dict:
