@@ -20,7 +20,7 @@ H200_SMS = 132
 
 
 def first_rows(y: jax.Array, m: int) -> jax.Array:
-    """The first m rows of a row-tile result y [ROW_TILE, ...].
+    """The first m rows of a row-tile result y [ROW_TILE, ...] (or [T * ROW_TILE, ...]: T tiles).
 
     Below a full tile the slice comes after an optimization barrier: XLA would otherwise sink it into the ops that
     produce y (a split-K sum, a dot) and compile a different reduction for each m (docs/design.md, rule 7). A full tile

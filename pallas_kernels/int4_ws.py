@@ -204,29 +204,74 @@ def config_for(k: int, n: int) -> Config:
 def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> jax.Array:
     """x [M <= 16, K] bfloat16 @ W [K, N] -> float32 [M, N], row-exact in M (GPU only). config: None for
     `config_for` the weight's shape."""
-    m, k = x.shape
+    if not 1 <= x.shape[0] <= ROW_TILE:
+        raise ValueError(f"rows_matmul takes 1..{ROW_TILE} rows, got {x.shape[0]}")
+    return tiles_matmul(x, w, config=config)
+
+
+def tiles_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> jax.Array:
+    """x [R, K] bfloat16 (any R >= 1: a batch's rows, `pallas_kernels.matmul`) @ W [K, N] -> float32 [R, N]: R
+    padded to whole row tiles of ROW_TILE, each tile's rows the bits `rows_matmul` gives that tile alone. One launch
+    takes up to `launch_tiles` tiles over each weight tile it streams: every row tile has its own accumulator and
+    gets the same wgmma instructions in the same k order as alone, under the same partition (a function of the
+    weight's shape and the config), so the weights are read once per launch instead of once per row tile."""
+    r, k = x.shape
     steps, n, _ = w.codes.shape
     k_stored = steps * TILE_K
     cfg = config or config_for(k_stored, n)
-    if not 1 <= m <= ROW_TILE:
-        raise ValueError(f"rows_matmul takes 1..{ROW_TILE} rows, got {m}")
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"the Mosaic GPU int4 kernel takes bfloat16 activations, got {x.dtype}")
     if w.shape[0] != k or not fits(k_stored, n, cfg):
         raise ValueError(f"Int4Codes {w.shape} (K, N) do not fit x K={k} or the kernel tiles {cfg}")
-    part = partition(k_stored, n, cfg)
-    xp = jnp.pad(x, ((0, ROW_TILE - m), (0, k_stored - k)))  # zero rows below M, zero k under the padded codes
+    tiles = -(-r // ROW_TILE)
+    xp = jnp.pad(x, ((0, tiles * ROW_TILE - r), (0, k_stored - k)))  # zero rows, zero k under the padded codes
+    per = launch_tiles(cfg)
+    ys = [_product(xp[i * ROW_TILE : (i + per) * ROW_TILE], w, cfg) for i in range(0, tiles, per)]
+    return first_rows(jnp.concatenate(ys) if len(ys) > 1 else ys[0], r)
+
+
+def _product(xp: jax.Array, w: Int4Codes, cfg: Config) -> jax.Array:
+    """Padded x [T * ROW_TILE, K_stored] bf16 @ W -> float32 [T * ROW_TILE, N]: one launch, partials combined."""
+    steps, n, _ = w.codes.shape
+    part = partition(steps * TILE_K, n, cfg)
     parts = _tile(xp, w.codes, w.scales, cfg=cfg, part=part)
     live = np.repeat(np.arange(parts.shape[0])[:, None] < part.segments[None, :], cfg.tile_rows, axis=1)
-    return first_rows(_combine(parts, live), m)
+    return _combine(parts, live)
+
+
+# Shared memory the kernel may plan for (the H200 grants a CTA 227 KB; the rest holds barriers and Mosaic's own).
+SMEM_BYTES = 216 * 1024
+MAX_LAUNCH_TILES = 4  # row tiles per launch: 4 accumulators of [wg_rows, 16] float32 per consumer warpgroup
+MIN_RING = 3  # the fewest pipeline stages a launch of several row tiles keeps
+
+
+def _ring_bytes(cfg: Config, tiles: int) -> tuple[int, int]:
+    """(bytes of one pipeline stage, bytes outside the ring) of a launch over `tiles` row tiles."""
+    stage = cfg.tile_rows * TILE_K // 2 + cfg.tile_rows * (TILE_K // BLOCK) * 2 + tiles * ROW_TILE * TILE_K * 2
+    return stage, 2 * ROW_TILE * cfg.wg_rows * 4
+
+
+def ring(cfg: Config, tiles: int) -> int:
+    """Pipeline stages of a launch over `tiles` row tiles: cfg.stages, fewer where the x tiles leave no room.
+    The ring depth changes the overlap only, never the bits."""
+    stage, fixed = _ring_bytes(cfg, tiles)
+    return max(1, min(cfg.stages, (SMEM_BYTES - fixed) // stage))
+
+
+def launch_tiles(cfg: Config) -> int:
+    """Row tiles per launch: the most (<= MAX_LAUNCH_TILES) whose ring keeps MIN_RING stages (at least 1)."""
+    fit = [t for t in range(1, MAX_LAUNCH_TILES + 1) if ring(cfg, t) >= min(MIN_RING, cfg.stages)]
+    return max(fit, default=1)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "part"))
 def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
-    """Padded x [16, K] -> float32 segment partials [max segments, 16, N] (slots past a tile's segment count are
-    never written). Jitted so each shape is lowered once per executable."""
+    """Padded x [T * 16, K] (T row tiles) -> float32 segment partials [max segments, T * 16, N] (slots past a
+    tile's segment count are never written). Jitted so each shape is lowered once per executable."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    x_rows = xp.shape[0]
+    tiles = x_rows // ROW_TILE
     tile_k, wg_rows = TILE_K, cfg.wg_rows
     tile_rows, groups, chunk_k = cfg.tile_rows, tile_k // BLOCK, tile_k // cfg.chunks
     steps, units, ctas = part.steps, part.units, part.ctas
@@ -254,39 +299,45 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
                 parts.append(w[:, g * BLOCK : (g + 1) * BLOCK] * jax.lax.broadcast_in_dim(sg, (wg_rows, BLOCK), [0]))
             return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
 
-        def body(idx, c_smem, s_smem, x_smem, acc_ref):
+        def body(idx, c_smem, s_smem, x_smem, accs):
             j = idx[0]
             t, ks = unit(j)
 
-            # A segment starts: a fresh accumulator. Every step runs the same straight-line wgmma code (a CTA past
-            # its last unit repeats that unit into an accumulator nobody reads, and the zeroing is a select): a
+            # A segment starts: fresh accumulators. Every step runs the same straight-line wgmma code (a CTA past
+            # its last unit repeats that unit into accumulators nobody reads, and the zeroing is a select): a
             # wgmma or an accumulator write under a branch makes ptxas serialize every wgmma instruction (C7515).
-            acc_ref[...] = jnp.where((ks == 0) | (j == 0), jnp.float32(0), acc_ref[...])
+            for acc in accs:
+                acc[...] = jnp.where((ks == 0) | (j == 0), jnp.float32(0), acc[...])
             q = plgpu.load(c_smem.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X)
             for ch in range(cfg.chunks):
-                plgpu.wgmma(acc_ref, scaled_chunk(q, s_smem, ch), x_smem.at[:, ch * chunk_k : (ch + 1) * chunk_k].T)
+                w = scaled_chunk(q, s_smem, ch)
+                for r, acc in enumerate(accs):  # row tile r: the wgmma it gets alone
+                    x_tile = x_smem.at[r * ROW_TILE : (r + 1) * ROW_TILE, ch * chunk_k : (ch + 1) * chunk_k]
+                    plgpu.wgmma(acc, w, x_tile.T)
             plgpu.wgmma_wait(0)
 
-            @pl.when((j < count) & ((ks == steps - 1) | (j == count - 1)))  # a segment ends: store its partial
+            @pl.when((j < count) & ((ks == steps - 1) | (j == count - 1)))  # a segment ends: store its partials
             def _():
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read o_smem
-                _store_transposed(acc_ref[...], o_smem.at[wg])
-                plgpu.commit_smem()
                 seg = c - part.cta_of(t * steps)
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[seg, :, pl.ds(t * tile_rows + wg * wg_rows, wg_rows)])
+                cols = pl.ds(t * tile_rows + wg * wg_rows, wg_rows)
+                for r, acc in enumerate(accs):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read o_smem
+                    _store_transposed(acc[...], o_smem.at[wg])
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[seg, pl.ds(r * ROW_TILE, ROW_TILE), cols])
 
-            return acc_ref
+            return accs
 
         def step_block(j):  # tile t's codes / scales of step ks: row block ks * tiles + t of the [steps * N, -1] views
             t, ks = unit(j)
             return (ks * part.tiles + t, 0)
 
         def compute_context(eval_pipeline):
-            def acc_scope(acc_ref):
-                eval_pipeline(acc_ref)
+            def acc_scope(*accs):
+                eval_pipeline(accs)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-            pl.run_scoped(acc_scope, plgpu.ACC((wg_rows, ROW_TILE), jnp.float32))
+            pl.run_scoped(acc_scope, *[plgpu.ACC((wg_rows, ROW_TILE), jnp.float32)] * tiles)
 
         plgpu.emit_pipeline_warp_specialized(
             body,
@@ -295,17 +346,17 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             in_specs=[
                 plgpu.BlockSpec((tile_rows, tile_k), step_block, transforms=code_tf),
                 plgpu.BlockSpec((tile_rows, groups), step_block),
-                plgpu.BlockSpec((ROW_TILE, tile_k), lambda j: (0, unit(j)[1]), transforms=x_tf),
+                plgpu.BlockSpec((x_rows, tile_k), lambda j: (0, unit(j)[1]), transforms=x_tf),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
-            max_concurrent_steps=cfg.stages,
+            max_concurrent_steps=ring(cfg, tiles),
             compute_context=compute_context,
         )(c_gmem, s_gmem, x_gmem)
 
     return plgpu.kernel(
         int4_ws_streamk,
-        out_type=jax.ShapeDtypeStruct((int(part.segments.max()), ROW_TILE, part.tiles * tile_rows), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((int(part.segments.max()), x_rows, part.tiles * tile_rows), jnp.float32),
         grid=(ctas,),
         grid_names=("c",),
         num_threads=3,

@@ -75,9 +75,10 @@ def linear(x: jax.Array, w: Weight, bias: jax.Array | None = None, *, out_dtype=
 @jax.custom_batching.custom_vmap
 def _row_tiles(x: jax.Array, w: Weight) -> jax.Array:
     """`rows_matmul`, and under `jax.vmap` (a batch of sequences, each with its rows: jspec.batch) one row-tile
-    product over all their rows: x [B, M, K] is flattened to B * M rows and cut into tiles of ROW_TILE, so the
-    weights are read once per tile, not once per sequence. Row r's result is the same bits wherever it sits in a
-    tile (rule 1), so no sequence's rows depend on another's (docs/design.md, rule 9)."""
+    product over all their rows: x [B, M, K] is flattened to B * M rows and cut into tiles of ROW_TILE
+    (`tiles_matmul`), so the weights are read once per tile (or per launch of several tiles), not once per
+    sequence. Row r's result is the same bits wherever it sits in a tile (rule 1), so no sequence's rows depend on
+    another's (docs/design.md, rule 9)."""
     return rows_matmul(x, w)
 
 
@@ -90,11 +91,22 @@ def _row_tiles_vmap(axis_size: int, in_batched, x: jax.Array, w: Weight):
         return _row_tiles(x, w), False
     b, m, k = x.shape
     flat = x.reshape(b * m, k)
-    tile = _backend.ROW_TILE
-    if b * m > tile:  # the tiles slice a materialized array: XLA fuses none of them with x's producer (rule 7)
-        flat = jax.lax.optimization_barrier(flat)
-    y = jnp.concatenate([_row_tiles(flat[i : i + tile], w) for i in range(0, b * m, tile)])
+    if b * m > _backend.ROW_TILE:  # the tiles slice a materialized array: XLA fuses none of them with x's producer
+        flat = jax.lax.optimization_barrier(flat)  # (rule 7)
+    y = tiles_matmul(flat, w)
     return y.reshape(b, m, y.shape[-1]), True
+
+
+def tiles_matmul(x: jax.Array, w: Weight) -> jax.Array:
+    """x [R, K] (any R >= 1) @ W -> float32 [R, N] in row tiles of ROW_TILE, each tile's rows the bits
+    `rows_matmul` gives it alone. The Mosaic GPU kernel takes several tiles per launch (`int4_ws.tiles_matmul`:
+    the weights streamed once for them); the other backends run one product per tile."""
+    if isinstance(w, Int4Codes) and _backend.get_backend() == "pallas":
+        from pallas_kernels import int4_ws
+
+        return int4_ws.tiles_matmul(x, w)
+    tile = _backend.ROW_TILE
+    return jnp.concatenate([rows_matmul(x[i : i + tile], w) for i in range(0, x.shape[0], tile)])
 
 
 def rows_matmul(x: jax.Array, w: Weight) -> jax.Array:

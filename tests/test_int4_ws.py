@@ -248,3 +248,34 @@ def test_gpu_k_chunks_do_not_change_the_bits():
             for chunks in (1, 2, 4)
         ]
         assert all(np.array_equal(bits(y), bits(ys[0])) for y in ys[1:])
+
+
+def test_launches_of_several_row_tiles_fit_shared_memory_and_keep_one_tile_unchanged():
+    for cfg in (int4_ws.Config(), int4_ws.Config(wg_rows=128)):
+        assert int4_ws.ring(cfg, 1) == cfg.stages  # one row tile: the ring of the decode and verify steps
+        per = int4_ws.launch_tiles(cfg)
+        assert 1 < per <= int4_ws.MAX_LAUNCH_TILES and int4_ws.ring(cfg, per) >= int4_ws.MIN_RING
+        stage, fixed = int4_ws._ring_bytes(cfg, per)
+        assert int4_ws.ring(cfg, per) * stage + fixed <= int4_ws.SMEM_BYTES
+    assert int4_ws.launch_tiles(int4_ws.Config()) == 4 and int4_ws.launch_tiles(int4_ws.Config(wg_rows=128)) == 3
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
+@pytest.mark.parametrize(
+    "k,n,config",
+    [
+        (1280, 512, None),
+        (1280, 512, int4_ws.Config(ctas=7, min_steps=1)),  # several segments per tile
+        (1280, 512, int4_ws.Config(ctas=5, min_steps=1, wg_rows=128)),
+        (4096, 28672, None),  # Llama-3-8B gate_up: wide tiles, 3 row tiles per launch
+    ],
+)
+def test_gpu_several_row_tiles_per_launch_give_each_tile_its_own_bits(k, n, config):
+    # R rows in ceil(R / 16) tiles, launches of up to launch_tiles of them: every row equals that row of its tile
+    # computed alone (rows_matmul), bit for bit, whatever R and however the tiles group into launches
+    c = prepare_codes(_weight(k, n, seed=14))
+    x = jnp.asarray(np.random.default_rng(15).standard_normal((80, k)), jnp.bfloat16)
+    alone = np.concatenate([np.asarray(int4_ws.rows_matmul(x[i : i + 16], c, config=config)) for i in range(0, 80, 16)])
+    for r in (17, 32, 48, 64, 80):
+        y = np.asarray(jax.jit(lambda x, c: int4_ws.tiles_matmul(x, c, config=config))(x[:r], c))
+        assert np.array_equal(bits(y), bits(alone[:r])), f"R={r}: a row differs from its tile alone"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -135,11 +136,30 @@ def test_candidates_first_choice_is_the_processed_argmax(sampler):
     rng = np.random.default_rng(3)
     positions = jnp.arange(16, dtype=jnp.int32) + 5
     choose = jax.jit(choose_rows, static_argnums=2)
-    full = jax.jit(lambda z, v: jnp.argmax(processed(z, sampler.mode, v) + sampling.gumbel_rows(v, positions, V), -1))
-    for seed in range(8):
-        logits = jnp.asarray(rng.standard_normal((16, V)) * rng.uniform(0.05, 5, (16, 1)), jnp.float32)
+
+    @jax.jit
+    def full(z, v):
+        return jnp.argmax(processed(z, sampler.mode, v) + sampling.gumbel_rows(v, positions, z.shape[1]), -1)
+
+    for seed, vocab in itertools.product(range(6), (V, 3000)):  # 3000: the two-stage candidate search
+        logits = jnp.asarray(rng.standard_normal((16, vocab)) * rng.uniform(0.05, 5, (16, 1)), jnp.float32)
         values = dataclasses.replace(sampler.values(), key=jax.random.key_data(jax.random.PRNGKey(seed)))
         np.testing.assert_array_equal(choose(logits, positions, sampler.mode, values), full(logits, values))
+
+
+def test_best_candidates_are_top_k():
+    """The two-stage candidate search gives lax.top_k's indices (best first, lower index first among equals) on
+    rows of heavy ties, -0.0 beside 0.0, a row with one finite entry, and vocabularies not a multiple of CHUNK."""
+    rng = np.random.default_rng(7)
+    for vocab in (sampling.CHUNK * sampling.CANDIDATES + 1, 4096, 5000):
+        s = rng.integers(-3, 4, (4, vocab)).astype(np.float32)
+        s[1, rng.integers(0, vocab, 200)] = -0.0
+        s[2] = -np.inf
+        s[2, vocab - 7] = 1.0
+        s[3] = rng.standard_normal(vocab)
+        want = jax.lax.top_k(jnp.asarray(s + np.float32(0)), sampling.CANDIDATES)[1]  # -0.0 + 0.0 = 0.0
+        got = jax.jit(sampling._best_candidates, static_argnums=1)(jnp.asarray(s), sampling.CANDIDATES)
+        np.testing.assert_array_equal(got, want)
 
 
 def test_a_row_choice_does_not_depend_on_whether_other_rows_search():

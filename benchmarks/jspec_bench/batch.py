@@ -5,7 +5,8 @@
    to B = 1. The contract (an identity check): `CHECKED` of the sequences, each run again alone in the same engine
    (the other slots empty), give the same tokens. A fact, not a requirement (docs/design.md rule 9): whether every
    sequence's tokens equal those of the B = 1 engine (`same_as_b1_engine`; a B-slot engine runs other shapes).
-   On the GPU, one round's kernel time by group (int4 kernels, attention, XLA ops) against the rows it runs.
+   On the GPU, one round's kernel time by group (int4 kernels, attention, XLA ops) against the rows it runs, and
+   the int4 products of one layer and the lm_head at 16 .. 128 rows: several row tiles per launch against one.
 2. Prompt lookup at B = 4 and 8 with k = 3 and 7 on the e2e section's echo prompts (each slot its own prompt):
    tokens/s against greedy at the same B, mean_accepted; every sequence's tokens against the engine's greedy
    batch (speculative == greedy, an identity check).
@@ -82,6 +83,11 @@ def section_batch(ctx: Context, sec: dict) -> None:
             alone[i] = single.generate(prompt, n, eos_id=()).tokens
         return alone[i]
 
+    try:
+        sec["int4_rows"] = _int4_rows(single.params)
+    except Exception as e:  # the profiler is an add-on: record why, go on
+        sec["int4_rows"] = {"error": _error_text(e)}
+    ctx.report.save()
     sec["greedy"] = {}
     base = None
     for b in sizes:
@@ -118,13 +124,6 @@ def section_batch(ctx: Context, sec: dict) -> None:
         ctx.report.save()
         engine = None  # noqa: F841
         gc.collect()
-    if opts.peer_hf:
-        sec["peer_hf"] = _hf_batches(ctx, name, sizes, prompts, n)
-        ctx.report.save()
-        for b, r in sec["greedy"].items():
-            peer = sec["peer_hf"].get(b, {}).get("decode_tok_s")
-            if peer and "decode_tok_s" in r:
-                r["vs_transformers"] = r["decode_tok_s"] / peer
     sec["lookup"] = {}
     for b, k in lookups:
         why = ctx.budget.why_not(10.0 if opts.quick else 40.0, f"batch lookup B={b} k={k}")
@@ -157,32 +156,82 @@ def section_batch(ctx: Context, sec: dict) -> None:
         ctx.report.save()
         engine = None  # noqa: F841
         gc.collect()
+    if opts.peer_hf:
+        sec["peer_hf"] = _hf_batches(ctx, name, sizes, prompts, n)
+        ctx.report.save()
+        for b, r in sec["greedy"].items():
+            peer = sec["peer_hf"].get(b, {}).get("decode_tok_s")
+            if peer and "decode_tok_s" in r:
+                r["vs_transformers"] = r["decode_tok_s"] / peer
 
 
 def _round_kernels(engine: Engine, batch: list, n: int) -> dict | None:
     """GPU kernel time of one greedy batch round by group (`timing.kernel_times`), the prefills cancelled: the
-    profile of n new tokens minus that of n // 2, over the rounds between them. None off the GPU."""
+    profile of n new tokens minus that of 1 (the prefills alone: a slot that has its one token stops), over the
+    rounds of the first. None off the GPU."""
     import jax
 
     if jax.default_backend() != "gpu":
         return None
-    runs, rounds = {}, {}
-    for tokens in (n // 2, n):
+    profile(lambda: None)  # a process's first trace carries one-time work
+    runs = {}
+    for tokens in (1, n):
 
         def run(t=tokens):
-            rounds[t] = engine.generate_batch(batch, t, eos_id=()).stats.rounds
+            runs[t] = engine.generate_batch(batch, t, eos_id=()).stats.rounds
 
-        runs[tokens] = (kernel_times(profile(run), 1), rounds[tokens])
-    (short, r0), (full, r1) = runs[n // 2], runs[n]
-    per = r1 - r0
-    groups = {g: round((us - short["groups_us"].get(g, 0.0)) / per, 1) for g, us in full["groups_us"].items()}
+        runs[tokens] = (kernel_times(profile(run), 1), runs[tokens])
+    (prefill, _), (full, rounds) = runs[1], runs[n]
+    groups = {g: round((us - prefill["groups_us"].get(g, 0.0)) / rounds, 1) for g, us in full["groups_us"].items()}
     return {
         "rows_per_round": engine.batch_size,
-        "kernel_us_per_round": round((full["kernel_us"] - short["kernel_us"]) / per, 1),
-        "launches_per_round": round((full["launches"] - short["launches"]) / per, 1),
+        "rounds": rounds,
+        "kernel_us_per_round": round((full["kernel_us"] - prefill["kernel_us"]) / rounds, 1),
+        "launches_per_round": round((full["launches"] - prefill["launches"]) / rounds, 1),
         "groups_us_per_round": groups,
         "top_kernels_us_whole_run": full["top_kernels_us"],
     }
+
+
+def _int4_rows(params: dict) -> dict | None:
+    """GPU time of the int4 products of one layer (and the lm_head) against the rows they take: R = 16 .. 128 rows
+    through `matmul.tiles_matmul` (several row tiles per launch where the kernel allows), against R / 16 launches
+    of one tile. None off the GPU or without Int4Codes weights."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import matmul
+    from pallas_kernels.int4_ws import Int4Codes
+
+    layer = params["layers"][0]
+    weights = {name: w for name, w in layer.items() if isinstance(w, Int4Codes)}
+    if isinstance(params.get("lm_head"), Int4Codes):
+        weights["lm_head"] = params["lm_head"]
+    if jax.default_backend() != "gpu" or not weights:
+        return None
+    out = {}
+    for rows in (16, 64, 128):
+        x = {name: jnp.ones((rows, w.shape[0]), jnp.bfloat16) for name, w in weights.items()}
+        tiled = jax.jit(lambda x, ws: {k: matmul.tiles_matmul(x[k], w) for k, w in ws.items()})
+        alone = jax.jit(
+            lambda x, ws: {
+                k: [matmul.rows_matmul(x[k][i : i + 16], w) for i in range(0, x[k].shape[0], 16)] for k, w in ws.items()
+            }
+        )
+        r = {}
+        for label, fn in (("tiles_matmul", tiled), ("one_tile_launches", alone)):
+            jax.block_until_ready(fn(x, weights))
+            times = kernel_times(profile(lambda f=fn, x=x: jax.block_until_ready(f(x, weights))), 1)
+            r[label] = times["groups_us"]
+            r[label + "_us"] = times["kernel_us"]
+        r["ratio"] = r["tiles_matmul_us"] / r["one_tile_launches_us"]
+        out[str(rows)] = r
+        print(
+            f"  int4 rows={rows}: {r['tiles_matmul_us']:.0f} us tiles_matmul vs {r['one_tile_launches_us']:.0f} us "
+            f"one tile per launch ({sorted(weights)})",
+            flush=True,
+        )
+    return out
 
 
 def _hf_batches(ctx: Context, name: str, sizes, prompts: list, n: int) -> dict:
@@ -205,9 +254,10 @@ def _hf_batches(ctx: Context, name: str, sizes, prompts: list, n: int) -> dict:
             out[str(b)] = {"status": "skipped", "reason": why}
             continue
         ids = np.stack([prompts[i][1] for i in range(b)]) % config.vocab_size
-        _hf_generate(model, config, ids, 2, None, device)  # warm
-        _, one_s = _hf_generate(model, config, ids, 1, None, device)
-        _, full_s = _hf_generate(model, config, ids, n, None, device)
+        cache = ids.shape[1] + n + 1  # one cache length: one compiled forward for the three runs
+        _hf_generate(model, config, ids, n, None, device, cache_len=cache)  # warm: compile
+        _, one_s = _hf_generate(model, config, ids, 1, None, device, cache_len=cache)
+        _, full_s = _hf_generate(model, config, ids, n, None, device, cache_len=cache)
         out[str(b)] = {"decode_tok_s": b * (n - 1) / (full_s - one_s), "wall_s": full_s, "first_token_s": one_s}
         print(f"  transformers batch B={b}: {out[str(b)]['decode_tok_s']:.0f} tok/s decode", flush=True)
     return out

@@ -97,10 +97,13 @@ def section_peer(ctx: Context, sec: dict) -> None:
         torch.set_num_threads(threads)
 
 
-def _hf_generate(model, config, ids: np.ndarray, new: int, lookup: int | None, device: str, static: bool = True):
-    """(new tokens list, seconds) of model.generate; greedy with a StaticCache when `static`, else (and always for
-    prompt lookup) the default dynamic cache. ids [L], or [B, L] for a batch of prompts of one length (then a list
-    of B token lists)."""
+def _hf_generate(
+    model, config, ids: np.ndarray, new: int, lookup: int | None, device: str, static: bool = True, cache_len=None
+):
+    """(new tokens list, seconds) of model.generate; greedy with a StaticCache when `static` (of cache_len
+    positions, default what the run needs: transformers compiles the forward for each cache length, so runs to be
+    timed against each other share one), else (and always for prompt lookup) the default dynamic cache. ids [L], or
+    [B, L] for a batch of prompts of one length (then a list of B token lists)."""
     import warnings
 
     import torch
@@ -111,7 +114,7 @@ def _hf_generate(model, config, ids: np.ndarray, new: int, lookup: int | None, d
     if lookup:  # assisted generation refuses static caches (transformers 5.17): the default dynamic cache
         kwargs["prompt_lookup_num_tokens"] = lookup
     elif static:  # `past_key_values`: the name every release takes (5.24 deprecates it for `cache`; 5.17 rejects that)
-        kwargs["past_key_values"] = StaticCache(config=config, max_cache_len=x.shape[1] + new + 1)
+        kwargs["past_key_values"] = StaticCache(config=config, max_cache_len=cache_len or x.shape[1] + new + 1)
     _sync(device)
     t0 = time.perf_counter()
     with torch.no_grad(), warnings.catch_warnings():
