@@ -32,8 +32,6 @@ from jspec import checks
 
 SEARCH_WAYS = 16  # intervals per pass of the threshold search (15 candidates, the bracket's top the 16th)
 SEARCH_PASSES = 8  # each pass cuts the bracket to ceil(1/16) of itself: 2 ** 32 bit patterns -> one in 8
-CANDIDATES = 16  # perturbed-logit candidates per row tested before a threshold search (choose_rows)
-CHUNK = 128  # entries per chunk of the two-stage candidate search (`_best_candidates`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,16 +183,13 @@ def _penalize(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> jax.Arr
     return jnp.where(seen, jnp.where(logits < 0, logits * penalty, logits / penalty), logits)
 
 
-def _tempered(logits: jax.Array, mode: SamplingMode, values: SamplerValues, seen) -> jax.Array:
-    """The first two processors: the repetition penalty (when on), then the temperature. -> float32 [R, V]."""
+def processed(logits: jax.Array, mode: SamplingMode, values: SamplerValues, seen: jax.Array | None = None):
+    """float32 logits [R, V] -> the processed logits [R, V] float32 (removed tokens -inf), HuggingFace's order:
+    repetition penalty (seen: bool [R, V], the tokens of each row's context), temperature, top-k, top-p, min-p."""
     z = logits.astype(jnp.float32)
     if mode.penalty:
         z = _penalize(z, seen, values.penalty)
-    return z / values.temperature
-
-
-def _truncated(z: jax.Array, mode: SamplingMode, values: SamplerValues) -> jax.Array:
-    """The truncating processors on tempered logits z: top-k, top-p, min-p (each a mask to -inf)."""
+    z = z / values.temperature
     if mode.top_k:
         z = jnp.where(values.top_k > 0, _top_k(z, jnp.maximum(values.top_k, 1)), z)
     if mode.top_p:
@@ -202,12 +197,6 @@ def _truncated(z: jax.Array, mode: SamplingMode, values: SamplerValues) -> jax.A
     if mode.min_p:
         z = _min_p(z, values.min_p)
     return z
-
-
-def processed(logits: jax.Array, mode: SamplingMode, values: SamplerValues, seen: jax.Array | None = None):
-    """float32 logits [R, V] -> the processed logits [R, V] float32 (removed tokens -inf), HuggingFace's order:
-    repetition penalty (seen: bool [R, V], the tokens of each row's context), temperature, top-k, top-p, min-p."""
-    return _truncated(_tempered(logits, mode, values, seen), mode, values)
 
 
 def gumbel_rows(values: SamplerValues, positions: jax.Array, vocab: int) -> jax.Array:
@@ -219,60 +208,9 @@ def gumbel_rows(values: SamplerValues, positions: jax.Array, vocab: int) -> jax.
 
 def choose_rows(logits, positions, mode: SamplingMode, values: SamplerValues, seen=None) -> jax.Array:
     """The chosen token (int32 [R]) of each row of logits [R, V]; positions int32 [R]: the absolute position each
-    row's token will take (the row's own position + 1).
-
-    With top-k or top-p alone (min-p off) the choice is found candidates first: the CANDIDATES largest perturbed
-    logits s = z + g of each row (best first, the lower index first among equals, as argmax) are tested for
-    membership in the kept set, one pass over the row: a token is kept iff fewer than k logits exceed its logit
-    (top-k), iff the probability mass above its probability is < top_p (top-p); the row's choice is its first kept
-    candidate. Every token ranked above it is a removed one, so it is the argmax of s over the kept set: the same
-    sample. Only a row whose candidates are all removed needs the threshold search, which then runs for the tile
-    (a lax.cond); each row's answer comes from its own path, so it never depends on another row's (rule 1)."""
-    g = gumbel_rows(values, positions, logits.shape[1])
-    z = _tempered(logits, mode, values, seen)
-    if not (mode.top_k != mode.top_p and not mode.min_p):
-        return jnp.argmax(_truncated(z, mode, values) + g, axis=-1).astype(jnp.int32)
-    vocab = z.shape[1]
-    cand = _best_candidates(z + g, min(CANDIDATES, vocab))  # [R, C]
-    real = cand < vocab  # the padding of `_best_candidates` is never kept
-    cand = jnp.minimum(cand, vocab - 1)
-    if mode.top_p:
-        p = _softmax(z)
-        pc = jnp.take_along_axis(p, cand, axis=1)[:, None, :]
-        above = jnp.sum(jnp.where(p[:, :, None] > pc, p[:, :, None], 0.0), axis=1)  # [R, C]
-        kept = real & (above < values.top_p)
-    else:
-        zc = jnp.take_along_axis(z, cand, axis=1)[:, None, :]
-        k = jnp.where(values.top_k > 0, jnp.minimum(values.top_k, vocab), vocab)
-        kept = real & (jnp.sum(z[:, :, None] > zc, axis=1) < k)
-    found = jnp.any(kept, axis=1)
-    fast = jnp.take_along_axis(cand, jnp.argmax(kept, axis=1)[:, None], axis=1)[:, 0].astype(jnp.int32)
-    searched = jax.lax.cond(
-        jnp.all(found),
-        lambda: fast,
-        lambda: jnp.argmax(_truncated(z, mode, values) + g, axis=-1).astype(jnp.int32),
-    )
-    return jnp.where(found, fast, searched)
-
-
-def _best_candidates(s: jax.Array, count: int) -> jax.Array:
-    """Indices int32 [R, count] of the count largest entries of s [R, V] float32, best first and the lower index
-    first among equals: `jax.lax.top_k`'s answer, from two top_k over short rows (XLA's GPU top_k of 16 over a row
-    of V = 128256 took 265 us on the H200, 8 rows). The count best entries lie in the count chunks of CHUNK entries
-    whose maxima rank first (each such chunk holds one of them as its maximum, and equal maxima rank the lower
-    chunk, holding the lower index, first), so the count best of those chunks' entries, gathered in index order,
-    are the answer. -0.0 is taken as 0.0 (max and top_k then agree on ties); indices >= V (the padding of the last
-    chunk, -inf) appear only if fewer than count entries exceed -inf."""
-    rows, vocab = s.shape
-    s = jnp.where(s == 0, jnp.float32(0), s)
-    chunks = -(-vocab // CHUNK)
-    if chunks <= count:
-        return jax.lax.top_k(s, count)[1]
-    padded = jnp.pad(s, ((0, 0), (0, chunks * CHUNK - vocab)), constant_values=-jnp.inf).reshape(rows, chunks, CHUNK)
-    best = jnp.sort(jax.lax.top_k(jnp.max(padded, axis=2), count)[1], axis=1)  # [R, count] chunk ids, ascending
-    entries = jnp.take_along_axis(padded, best[:, :, None], axis=1).reshape(rows, count * CHUNK)
-    j = jax.lax.top_k(entries, count)[1]
-    return jnp.take_along_axis(best, j // CHUNK, axis=1) * CHUNK + j % CHUNK
+    row's token will take (the row's own position + 1)."""
+    z = processed(logits, mode, values, seen)
+    return jnp.argmax(z + gumbel_rows(values, positions, logits.shape[1]), axis=-1).astype(jnp.int32)
 
 
 def seen_rows(history: jax.Array, position, row_tokens: jax.Array, vocab: int) -> jax.Array:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -125,58 +124,6 @@ def test_threshold_search_finds_the_smallest_passing_float(weighted):
         return np.where(hit, x if weighted else 1.0, 0.0).astype(np.float64).sum(1)
 
     assert (stat(t) < limit).all() and (stat(np.nextafter(t, np.float32(-np.inf))) >= limit).all()
-
-
-@pytest.mark.parametrize(
-    "sampler", [Sampler(temperature=0.7, top_p=0.9), Sampler(temperature=1.5, top_k=50), Sampler(top_k=1)]
-)
-def test_candidates_first_choice_is_the_processed_argmax(sampler):
-    """choose_rows with top-k or top-p alone tests the best perturbed candidates first: the same tokens as the
-    argmax of processed logits + noise (the threshold path), over rows of every sharpness and many seeds."""
-    rng = np.random.default_rng(3)
-    positions = jnp.arange(16, dtype=jnp.int32) + 5
-    choose = jax.jit(choose_rows, static_argnums=2)
-
-    @jax.jit
-    def full(z, v):
-        return jnp.argmax(processed(z, sampler.mode, v) + sampling.gumbel_rows(v, positions, z.shape[1]), -1)
-
-    for seed, vocab in itertools.product(range(6), (V, 3000)):  # 3000: the two-stage candidate search
-        logits = jnp.asarray(rng.standard_normal((16, vocab)) * rng.uniform(0.05, 5, (16, 1)), jnp.float32)
-        values = dataclasses.replace(sampler.values(), key=jax.random.key_data(jax.random.PRNGKey(seed)))
-        np.testing.assert_array_equal(choose(logits, positions, sampler.mode, values), full(logits, values))
-
-
-def test_best_candidates_are_top_k():
-    """The two-stage candidate search gives lax.top_k's indices (best first, lower index first among equals) on
-    rows of heavy ties, -0.0 beside 0.0, a row with one finite entry, and vocabularies not a multiple of CHUNK."""
-    rng = np.random.default_rng(7)
-    for vocab in (sampling.CHUNK * sampling.CANDIDATES + 1, 4096, 5000):
-        s = rng.integers(-3, 4, (4, vocab)).astype(np.float32)
-        s[1, rng.integers(0, vocab, 200)] = -0.0
-        s[2] = -np.inf
-        s[2, vocab - 7] = 1.0
-        s[3] = rng.standard_normal(vocab)
-        want = jax.lax.top_k(jnp.asarray(s + np.float32(0)), sampling.CANDIDATES)[1]  # -0.0 + 0.0 = 0.0
-        got = jax.jit(sampling._best_candidates, static_argnums=1)(jnp.asarray(s), sampling.CANDIDATES)
-        np.testing.assert_array_equal(got, want)
-
-
-def test_a_row_choice_does_not_depend_on_whether_other_rows_search():
-    """Row 0 (sharp: its first candidate is kept) chooses the same token whether the other rows are sharp too (no
-    threshold search runs) or flat under a tiny top-p (none of their candidates is kept: the search runs), and each
-    of those rows chooses the processed argmax."""
-    s = Sampler(top_p=1e-6, seed=4)
-    rng = np.random.default_rng(5)
-    sharp = rng.standard_normal((16, V)).astype(np.float32) * 6
-    flat = sharp.copy()
-    flat[1:] = rng.standard_normal((15, V)).astype(np.float32) * 0.01
-    positions = jnp.arange(16, dtype=jnp.int32)
-    choose = jax.jit(choose_rows, static_argnums=2)
-    a, b = (np.asarray(choose(jnp.asarray(x), positions, s.mode, s.values())) for x in (sharp, flat))
-    assert a[0] == b[0]
-    want = np.argmax(np.asarray(processed(jnp.asarray(flat), s.mode, s.values())), -1)  # top-p 1e-6 keeps the top
-    np.testing.assert_array_equal(b, want)
 
 
 def _draws(logits: np.ndarray, s: Sampler, seeds: int, positions) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The `batch` section: `Engine.generate_batch` at the e2e model's shape (Llama-3-8B, int4, random weights).
 
-1. Greedy at batch_size B = 1, 4, 16, 64: B prompts of --prompt-len tokens, --new-tokens each, one batch (no
-   refill): decode tokens/s of the batch (its prefills excluded: each fill is timed to completion) and the ratio
+1. Greedy at batch_size B = 1, 4, 16, 64 (--batch-sizes): B prompts of --prompt-len tokens, --new-tokens each,
+   one batch (no refill): decode tokens/s of the batch (its prefills excluded: each fill is timed to completion) and the ratio
    to B = 1. The contract (an identity check): `CHECKED` of the sequences, each run again alone in the same engine
    (the other slots empty), give the same tokens. A fact, not a requirement (docs/design.md rule 9): whether every
    sequence's tokens equal those of the B = 1 engine (`same_as_b1_engine`; a B-slot engine runs other shapes).
@@ -31,7 +31,6 @@ from jspec_bench.shapes import hf_config_dict, scale_attention_output
 from jspec_bench.steps import _load_model
 from jspec_bench.timing import kernel_times, profile
 
-BATCH_SIZES = (1, 4, 16, 64)
 CHECKED = 3  # sequences per batch size run again alone in the same engine
 LOOKUP = ((4, 3), (4, 7), (8, 3), (8, 7))  # (batch size, k)
 
@@ -67,7 +66,7 @@ def section_batch(ctx: Context, sec: dict) -> None:
     params = scale_attention_output(params, opts.o_factor)
     sec.update(model=name, source=info["source"], o_factor=opts.o_factor)
     n, plen = (8, 16) if opts.quick else (opts.new_tokens, opts.prompt_len)
-    sizes = (1, 4) if opts.quick else BATCH_SIZES
+    sizes = opts.batch_sizes
     lookups = ((2, 3),) if opts.quick else LOOKUP
     length = 2 * plen + n
     max_len = length + n + 16

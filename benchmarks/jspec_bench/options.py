@@ -49,6 +49,7 @@ class Options:
     prefill_models: tuple[str, ...] = ("llama-3-8b", "qwen2.5-14b")
     prefill_lengths: tuple[int, ...] = (512, 2048, 8192, 32768)
     prefill_chunks: tuple[int, ...] = (256, 512, 1024, 2048)  # the chunk sweep (first prefill model)
+    batch_sizes: tuple[int, ...] = (1, 4, 16, 64)  # the batch section's greedy batch sizes
     chunk_sweep_length: int = 8192
     long_prompt: int = 16384  # the echo prompt of the long-prompt speculation (0: skip)
     sampling_temperature: float = 0.7
@@ -89,6 +90,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
     )
     ap.add_argument("--prefill-lengths", help="comma list of prompt lengths (default 512,2048,8192,32768)")
     ap.add_argument("--prefill-chunks", help="comma list: chunk sizes of the sweep (default 256,512,1024,2048)")
+    ap.add_argument("--batch-sizes", help="comma list: the batch section's greedy batch sizes (default 1,4,16,64)")
     ap.add_argument("--long-prompt", type=int, help="tokens of the long echo prompt (default 16384; 0: skip)")
     ap.add_argument("--sampling-temperature", type=float, help="the sampling section's temperature (default 0.7)")
     ap.add_argument("--draft-model", choices=sorted(SHAPES), help="the draft_model section's drafter (llama-3.2-1b)")
@@ -122,6 +124,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
             prefill_chunks=(16, 64),
             chunk_sweep_length=100,
             long_prompt=120,
+            batch_sizes=(1, 4),
         )
     if args.models:
         opts.models = _names(args.models, ALL_MODELS, "--models")
@@ -141,7 +144,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
             raise SystemExit(f"jspec bench: --ks {args.ks!r}: expected a comma list of integers like 1,3,7") from None
     if args.prefill_models:
         opts.prefill_models = _names(args.prefill_models, ALL_MODELS[:4], "--prefill-models")
-    for flag in ("prefill_lengths", "prefill_chunks"):
+    for flag in ("prefill_lengths", "prefill_chunks", "batch_sizes"):
         text = getattr(args, flag)
         if text:
             try:
