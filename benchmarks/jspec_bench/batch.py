@@ -1,12 +1,13 @@
 """The `batch` section: `Engine.generate_batch` at the e2e model's shape (Llama-3-8B, int4, random weights).
 
 1. Greedy at batch_size B = 1, 4, 16, 64 (--batch-sizes): B prompts of --prompt-len tokens, --new-tokens each,
-   one batch (no refill): decode tokens/s of the batch (its prefills excluded: each fill is timed to completion) and the ratio
-   to B = 1. The contract (an identity check): `CHECKED` of the sequences, each run again alone in the same engine
-   (the other slots empty), give the same tokens. A fact, not a requirement (docs/design.md rule 9): whether every
-   sequence's tokens equal those of the B = 1 engine (`same_as_b1_engine`; a B-slot engine runs other shapes).
-   On the GPU, one round's kernel time by group (int4 kernels, attention, XLA ops) against the rows it runs, and
-   the int4 products of one layer and the lm_head at 16 .. 128 rows: several row tiles per launch against one.
+   one batch (no refill): decode tokens/s of the batch (its prefills excluded: each fill is timed to completion)
+   and the ratio to B = 1. The contract (an identity check): `CHECKED` of the sequences, each run again alone in
+   the same engine (the other slots empty), give the same tokens. A fact, not a requirement (docs/design.md rule
+   9): whether every sequence's tokens equal those of the B = 1 engine (`same_as_b1_engine`; a B-slot engine runs
+   other shapes). On the GPU, one round's kernel time by group (int4 kernels, attention, XLA ops) against the rows
+   it runs, and the int4 products of one layer and the lm_head at 16 .. 128 rows: several row tiles per launch
+   against one.
 2. Prompt lookup at B = 4 and 8 with k = 3 and 7 on the e2e section's echo prompts (each slot its own prompt):
    tokens/s against greedy at the same B, mean_accepted; every sequence's tokens against the engine's greedy
    batch (speculative == greedy, an identity check).
