@@ -99,7 +99,7 @@ def test_quick_peer_targets_plots_and_table(quick, capsys):
         assert v["greedy_tok_s"] > 0 and v["lookup_tok_s"] > 0 and isinstance(v["lookup_equals_greedy"], bool)
         assert isinstance(v["greedy_static_equals_dynamic"], bool)
     targets = {t["name"]: t for t in data["targets"]}
-    assert len(targets) == 10 and all(t["met"] is None for t in targets.values())  # a quick run claims nothing
+    assert len(targets) == 12 and all(t["met"] is None for t in targets.values())  # a quick run claims nothing
     sampler = targets["the sampler costs < 3% of a decode step (llama-3-8b)"]
     assert sampler["value"] > 0 and data["sections"]["sampling"]["rows"] == {"step": 8, "tile": 16}  # k + 1 rows
     batch = data["sections"]["batch"]

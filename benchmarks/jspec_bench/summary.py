@@ -115,6 +115,21 @@ def evaluate_targets(data: dict) -> list[dict]:
         else f"the costliest processor, {worst} on {sampling['rows']['step']} rows: {costs[worst] * 1e6:.0f} us per "
         f"call alone against the greedy step's {greedy_ms:.3f} ms",
     )
+    batch = secs.get("batch", {}).get("greedy", {})
+    for size in (16, 64):
+        r = batch.get(str(size), {})
+        ratio = r.get("vs_b1")
+        target = TARGETS[f"batch{size}_over_b1"]
+        add(
+            f"batch B={size} greedy decode >= {target:.0f}x B=1, each sequence its own tokens",
+            target,
+            ratio,
+            None if ratio is None else bool(ratio >= target and r["identical"]),
+            "not measured"
+            if ratio is None
+            else f"{r['decode_tok_s']:.0f} tok/s decode, {r['ms_per_round']:.2f} ms a round; alone in the engine "
+            f"identical: {r['identical']}",
+        )
     recompiles = e2e.get("compiles_after_warmup")
     add(
         "zero recompiles after warm-up (e2e engines)",

@@ -130,7 +130,9 @@ def torch_median(fn: Callable, repeats: int, device: str = "cuda", warmup: int =
 KERNEL_GROUPS = (
     ("int4 Mosaic GPU", ("int4_ws",)),
     ("int4 Triton", ("int4_rows", "dense_rows")),
-    ("attention", ("jspec_attention",)),
+    # under jax.vmap (jspec.batch) a Mosaic GPU kernel is named batched_body (jax's pallas/mosaic_gpu/core.py): of
+    # those the batch executables vmap the attention split kernel alone (int4_ws batches rows by custom_vmap)
+    ("attention", ("jspec_attention", "batched_body")),
     ("recurrent", ("jspec_gdn",)),
 )
 
