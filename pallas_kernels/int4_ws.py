@@ -20,7 +20,9 @@ memory loads), convert them (exact), multiply by the group scales (one bf16 roun
 time (`Config.chunks`: the next chunk converts while the previous chunk's wgmma runs), accumulating
 float32 [wg_rows, 16]; at the end of each tile's run of steps (a segment) the accumulator goes to that segment's
 partial. Every step is the same straight-line code (no branch around the wgmma or the accumulator's zeroing), or
-ptxas serializes the wgmma instructions. GPU only (no interpret mode); bfloat16 activations. H200 measurements and
+ptxas serializes the wgmma instructions. `tiles_matmul` (batches of sequences) runs up to `launch_tiles` row
+tiles in one launch, each with its own accumulator and the wgmma instructions it gets alone. GPU only (no
+interpret mode); bfloat16 activations. H200 measurements and
 the variants behind the defaults: docs/kernels.md and benchmarks/experiments/int4_layouts.py.
 """
 
