@@ -31,6 +31,7 @@ from jspec_bench.report import Context, _error_text
 from jspec_bench.shapes import hf_config_dict, scale_attention_output
 from jspec_bench.steps import _load_model
 from jspec_bench.timing import kernel_times, profile
+from pallas_kernels import ROW_TILE
 
 CHECKED = 3  # sequences per batch size run again alone in the same engine
 LOOKUP = ((4, 3), (4, 7), (8, 3), (8, 7))  # (batch size, k)
@@ -175,14 +176,14 @@ def _round_kernels(engine: Engine, batch: list, n: int, per_round_us: float) -> 
     if jax.default_backend() != "gpu":
         return None
     profile(lambda: None)  # a process's first trace carries one-time work
-    runs = {}
-    for tokens in (1, n):
+    rounds_of = {}
 
-        def run(t=tokens):
-            runs[t] = engine.generate_batch(batch, t, eos_id=()).stats.rounds
+    def run(tokens: int) -> None:
+        rounds_of[tokens] = engine.generate_batch(batch, tokens, eos_id=()).stats.rounds
 
-        runs[tokens] = (kernel_times(profile(run), 1), runs[tokens])
-    (prefill, _), (full, rounds) = runs[1], runs[n]
+    prefill = kernel_times(profile(lambda: run(1)), 1)
+    full = kernel_times(profile(lambda: run(n)), 1)
+    rounds = rounds_of[n]
     kernel_us = (full["kernel_us"] - prefill["kernel_us"]) / rounds
     groups = {g: round((us - prefill["groups_us"].get(g, 0.0)) / rounds, 1) for g, us in full["groups_us"].items()}
     return {
@@ -213,15 +214,18 @@ def _int4_rows(params: dict) -> dict | None:
         weights["lm_head"] = params["lm_head"]
     if jax.default_backend() != "gpu" or not weights:
         return None
+    tiled = jax.jit(lambda x, ws: {k: matmul.tiles_matmul(x[k], w) for k, w in ws.items()})
+
+    @jax.jit
+    def alone(x, ws):  # one launch per row tile
+        return {
+            k: [matmul.rows_matmul(x[k][i : i + ROW_TILE], w) for i in range(0, len(x[k]), ROW_TILE)]
+            for k, w in ws.items()
+        }
+
     out = {}
-    for rows in (16, 64, 128):
+    for rows in (ROW_TILE, 4 * ROW_TILE, 8 * ROW_TILE):
         x = {name: jnp.ones((rows, w.shape[0]), jnp.bfloat16) for name, w in weights.items()}
-        tiled = jax.jit(lambda x, ws: {k: matmul.tiles_matmul(x[k], w) for k, w in ws.items()})
-        alone = jax.jit(
-            lambda x, ws: {
-                k: [matmul.rows_matmul(x[k][i : i + 16], w) for i in range(0, x[k].shape[0], 16)] for k, w in ws.items()
-            }
-        )
         r = {}
         for label, fn in (("tiles_matmul", tiled), ("one_tile_launches", alone)):
             jax.block_until_ready(fn(x, weights))
