@@ -229,3 +229,15 @@ def test_scale_attention_output_scales_what_attention_adds(family):
     full, scaled = added(params), added(shapes.scale_attention_output(params, 0.25))
     assert float(jnp.max(jnp.abs(full))) > 0.01
     np.testing.assert_allclose(scaled, 0.25 * full, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [("1,x", "--batch-sizes '1,x': expected integers"), ("1,0", "--batch-sizes '1,0': must be >= 1")],
+)
+def test_bad_batch_sizes_are_refused(value, message):
+    from jspec_bench.options import parse_args
+
+    assert parse_args(["--batch-sizes", "16,64"])[0].batch_sizes == (16, 64)
+    with pytest.raises(SystemExit, match=message):
+        parse_args(["--batch-sizes", value])
