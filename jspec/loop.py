@@ -262,26 +262,21 @@ def prefill_round(
     return first_round(params, cfg, settings, dataclasses.replace(loop, prefilled=end), own)
 
 
-def _sample_tile(settings: LoopSettings, loop: Loop, tile: jax.Array, row_tokens: jax.Array) -> jax.Array:
-    """The sampler's choice for the first k + 1 rows of a step's logits tile [ROW_TILE, V] (int32 [k + 1]), the
-    rows a verify can use: row r's token takes position state.position + 1 + r. Those rows in decode and verify
-    alike, so the same shapes (docs/design.md, rule 8); the tile passes a barrier before the cut and the choice one
-    after it, so XLA narrows neither to the rows a step uses (rule 7). (The rows past k + 1 are never read: sampling
-    them cost a 16-row tile's search, +4-6% of an 8B-shape step at top-p, bench_sampling_h200.json.)"""
+def _sample_rows(settings: LoopSettings, loop: Loop, rows: jax.Array, row_tokens: jax.Array) -> jax.Array:
+    """The sampler's choice (int32 [R]) for the rows a step uses of its logits tile, rows [R, V] (`_step_rows`: 1 in
+    a decode step, k + 1 in a verify); row r's token takes position state.position + 1 + r. A row's choice is the
+    same bits whatever R (the sampler's reductions are order-free: docs/design.md, rule 8), so a decode samples its
+    one row."""
     state = loop.state  # before the step: position p, history[0..p]
-    tile = _step_rows(settings, tile)
-    rows = tile.shape[0]
-    positions = state.position + 1 + jnp.arange(rows, dtype=jnp.int32)
-    seen = (
-        seen_rows(state.tokens, state.position, row_tokens[:rows], tile.shape[1]) if settings.sampling.penalty else None
-    )
-    return jax.lax.optimization_barrier(choose_rows(tile, positions, settings.sampling, loop.sampler, seen))
+    positions = state.position + 1 + jnp.arange(rows.shape[0], dtype=jnp.int32)
+    penalty = settings.sampling.penalty
+    seen = seen_rows(state.tokens, state.position, row_tokens[: rows.shape[0]], rows.shape[1]) if penalty else None
+    return choose_rows(rows, positions, settings.sampling, loop.sampler, seen)
 
 
-def _step_rows(settings: LoopSettings, tile: jax.Array) -> jax.Array:
-    """The rows of a step's logits tile [T, V] that a verify can use: the first k + 1 (all T of a batch slot with
-    fewer), after a barrier (rule 7)."""
-    return jax.lax.optimization_barrier(tile)[: min(settings.k + 1, tile.shape[0])]
+def _step_rows(tile: jax.Array, rows: int) -> jax.Array:
+    """The first `rows` rows of a step's logits tile [T, V] (those the step uses), after a barrier (rule 7)."""
+    return jax.lax.optimization_barrier(tile)[: min(rows, tile.shape[0])]
 
 
 def _chooser(settings: LoopSettings, loop: Loop):
@@ -302,7 +297,7 @@ def decode_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: L
         token = jnp.argmax(logits).astype(jnp.int32)
     else:
         state, tile, row_tokens = decode_tile(params, cfg, loop.state)
-        token = _sample_tile(settings, loop, tile, row_tokens)[0]
+        token = _sample_rows(settings, loop, _step_rows(tile, 1), row_tokens)[0]
     state = commit(state, jnp.zeros((), jnp.int32), token)
     would_hit = (loop.n_valid > 0) & (loop.draft[0] == token)
     loop = dataclasses.replace(loop, counters=_count(loop.counters, False, would_hit=would_hit))
@@ -315,7 +310,7 @@ def verify_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: L
     guard = settings.tie_guard
     if settings.sampling is not None:  # accept a draft token iff it is the sampler's choice at its position
         state, tile, row_tokens = verify_tile(params, cfg, loop.state, draft)
-        chosen = _sample_tile(settings, loop, tile, row_tokens)
+        chosen = _sample_rows(settings, loop, _step_rows(tile, settings.k + 1), row_tokens)
         n_acc, token = accept_chosen(draft, chosen[: draft.shape[0] + 1], n_valid)
         tolerated = near = jnp.zeros((), jnp.int32)
     elif guard.tolerant:
@@ -346,9 +341,9 @@ def slot_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loo
     else:
         state, tile, row_tokens = verify_tile(params, cfg, loop.state, loop.draft, tile_rows=rows)
     if settings.sampling is None:
-        chosen = jnp.argmax(_step_rows(settings, tile), axis=-1).astype(jnp.int32)
+        chosen = jnp.argmax(_step_rows(tile, settings.k + 1), axis=-1).astype(jnp.int32)
     else:
-        chosen = _sample_tile(settings, loop, tile, row_tokens)
+        chosen = _sample_rows(settings, loop, _step_rows(tile, settings.k + 1), row_tokens)
     if rows == 1:
         n_acc, token = jnp.zeros((), jnp.int32), chosen[0]
     else:

@@ -7,9 +7,13 @@ The token at absolute position t is
 where `logits` is the float32 row that predicts position t and `processed` is HuggingFace's pipeline, in its order:
 repetition penalty (over the context up to t - 1), temperature, top-k, top-p, min-p (each a mask to -inf of what
 it removes). Gumbel-max makes choose an exact sample of softmax(processed). The noise depends on (seed, t) only, so
-a verify row for position t chooses what the decode step at t chooses: both run `choose_rows` on the same rows
-(the same shapes, every processor row-local), and a draft token is accepted iff it equals that choice. Temperature
-0 is not sampling: the engine then takes the plain argmax path, bit for bit the greedy one.
+a verify row for position t chooses what the decode step at t chooses, and a draft token is accepted iff it equals
+that choice. Temperature 0 is not sampling: the engine then takes the plain argmax path, bit for bit the greedy one.
+
+Row-local and order-free: every reduction over the vocabulary is a max, a min, an integer count or a fixed-point
+integer mass, never a float sum, whose order XLA picks per shape. So a row's processed logits and choice are the
+same bits however many rows run beside it: a decode step samples its one row, a verify its k + 1, a batch its
+slots' rows (docs/design.md, rule 8).
 
 Static (part of the compiled identity, `SamplingMode`): which processors run. Runtime (`SamplerValues`, arrays of
 the request): their parameters and the seed, so a new seed or temperature compiles nothing.
@@ -17,7 +21,9 @@ the request): their parameters and the seed, so a new seed or temperature compil
 Exact thresholds without a sort: top-k keeps the logits >= the k-th largest (ties kept, as TopKLogitsWarper), top-p
 keeps the tokens whose probability mass strictly above theirs is < top_p (TopPLogitsWarper's set; a tie group at
 the cut is kept whole), each found by a 16-way search over the float32 bit patterns: `SEARCH_PASSES` fused
-reductions over the whole row, never a prefix of the vocabulary that might cut the nucleus.
+reductions over the whole row, never a prefix of the vocabulary that might cut the nucleus. top-p's masses are
+sums of each token's probability relative to the top one's in fixed point, 2 ** -28 of it at V = 152064 (float32
+cumulative sums, as transformers', round at 2 ** -24 of the running sum).
 """
 
 from __future__ import annotations
@@ -122,23 +128,21 @@ def _from_order_key(u: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _smallest_passing(x: jax.Array, limit: jax.Array, lo: jax.Array, hi: jax.Array, *, weighted: bool) -> jax.Array:
-    """Per row of x [R, V] float32: the smallest float32 t in the order-key bracket (lo, hi] (uint32 [R]: the test
-    fails at lo and holds at hi) with stat(t) < limit (float32 [R]), where stat(t) is the mass sum(x[x > t])
-    (weighted) or the count sum(x >= t). stat falls as t rises, so the test is monotone. Each of the SEARCH_PASSES
-    passes (unrolled: on the H200 a fori_loop ran them as ~9 launches each, 166 us in all at V = 128256, unrolled
-    127 us) splits the bracket in SEARCH_WAYS and evaluates its 15 inner candidates in one reduction over x
-    broadcast to [R, V, 15]. A Pallas kernel of one launch per pass was no faster: the passes are compute-bound at
-    ~9 us (docs/kernels.md, "Tried, did not pay")."""
+def _smallest_passing(stat, limit: jax.Array, lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """Per row: the smallest float32 t in the order-key bracket (lo, hi] (uint32 [R]: the test fails at lo and
+    holds at hi) with stat(t) < limit ([R]). stat maps candidates t float32 [R, 1, W] to [R, W] (a count or a
+    fixed-point mass above t, exact) and falls as t rises, so the test is monotone. Each of the SEARCH_PASSES passes
+    (unrolled: on the H200 a fori_loop ran them as ~9 launches each, 166 us in all at V = 128256, unrolled 127 us)
+    splits the bracket in SEARCH_WAYS and evaluates its 15 inner candidates in one reduction over the row broadcast
+    to [R, V, 15]. A Pallas kernel of one launch per pass was no faster: the passes are compute-bound at ~9 us
+    (docs/kernels.md, "Tried, did not pay")."""
     lo, hi, limit = lo[:, None], hi[:, None], limit[:, None]
     ways = jnp.arange(1, SEARCH_WAYS, dtype=jnp.uint32)
     for _ in range(SEARCH_PASSES):
         span = hi - lo
         step = jnp.maximum(span // SEARCH_WAYS + (span % SEARCH_WAYS != 0).astype(jnp.uint32), 1)  # ceil
         cand = jnp.minimum(lo + step * ways, hi)  # [R, 15], ascending
-        t = _from_order_key(cand)[:, None, :]
-        hit = x[:, :, None] > t if weighted else x[:, :, None] >= t
-        ok = jnp.sum(jnp.where(hit, x[:, :, None] if weighted else 1.0, 0.0), axis=1) < limit
+        ok = stat(_from_order_key(cand)[:, None, :]) < limit
         # the first passing candidate bounds from above, the last failing one from below
         lo, hi = (
             jnp.max(jnp.where(ok, lo, cand), axis=1, keepdims=True),
@@ -147,35 +151,77 @@ def _smallest_passing(x: jax.Array, limit: jax.Array, lo: jax.Array, hi: jax.Arr
     return _from_order_key(hi[:, 0])
 
 
+def _count_at_least(z: jax.Array):
+    """stat for the search: t [R, 1, W] -> int32 [R, W], the number of z [R, V] >= t (an integer sum: exact)."""
+    return lambda t: jnp.sum(z[:, :, None] >= t, axis=1, dtype=jnp.int32)
+
+
 def _top_k(z: jax.Array, k: jax.Array) -> jax.Array:
     """z [R, V] with everything below the k-th largest (ties kept) set to -inf; k >= 1 (k >= V: nothing cut)."""
     k = jnp.minimum(k, z.shape[1])
     top = _order_key(jnp.max(z, axis=1))
     bottom = _order_key(jnp.min(z, axis=1))
     # count(z >= t) < k holds from just above the k-th largest value: the search finds that next value up
-    limit = jnp.broadcast_to(k.astype(jnp.float32), top.shape)
-    above = _smallest_passing(z, limit, bottom, top + 1, weighted=False)
+    limit = jnp.broadcast_to(k.astype(jnp.int32), top.shape)
+    above = _smallest_passing(_count_at_least(z), limit, bottom, top + 1)
     kth = jnp.max(jnp.where(z < above[:, None], z, -jnp.inf), axis=1)  # the k-th largest itself
     return jnp.where(z >= kth[:, None], z, -jnp.inf)
 
 
-def _softmax(z: jax.Array) -> jax.Array:
-    return jax.nn.softmax(z, axis=-1)
+def _relative(z: jax.Array) -> jax.Array:
+    """float32 [R, V]: exp(z - max z) per row, each token's probability relative to the most probable one's (an
+    elementwise function of z and its row's max, so the same bits however many rows run: no softmax sum)."""
+    return jnp.exp(z - jnp.max(z, axis=1, keepdims=True))
+
+
+def limb_bits(vocab: int) -> int:
+    """Bits per limb of the fixed-point masses over a vocabulary: vocab * 2 ** bits < 2 ** 32, so neither limb's sum
+    over a row can overflow uint32 (15 at V = 128256, 14 at 152064: a token's mass to 2 ** -28 of the top one's)."""
+    return 32 - vocab.bit_length()
+
+
+def _limbs(e: jax.Array) -> jax.Array:
+    """e float32 [R, V] in [0, 1] -> uint32 [R, V, 2]: floor(e * 2 ** (2 b)) as (hi, lo) = (its quotient, its
+    remainder by 2 ** b), b = limb_bits(V). Every step is exact: scalings by powers of two, floors, and a
+    subtraction whose result is an integer below 2 ** b."""
+    b = limb_bits(e.shape[1])
+    q = jnp.floor(e * 2.0 ** (2 * b))
+    hi = jnp.floor(q * 2.0**-b)
+    return jnp.stack([hi, q - hi * 2.0**b], axis=-1).astype(jnp.uint32)
+
+
+def _mass(sums: jax.Array, vocab: int) -> jax.Array:
+    """uint32 [..., 2] limb sums -> float32 [...]: hi * 2 ** b + lo, one rounding of the exact integer (a function
+    of the integers alone, so of the set of tokens summed, never of the order)."""
+    return sums[..., 0].astype(jnp.float32) * 2.0 ** limb_bits(vocab) + sums[..., 1].astype(jnp.float32)
+
+
+def _mass_above(e: jax.Array, limbs: jax.Array):
+    """stat for the search: t [R, 1, W] -> float32 [R, W], the fixed-point mass of the tokens with e [R, V] > t."""
+
+    def stat(t):
+        hit = (e[:, :, None] > t)[..., None]  # [R, V, W, 1]
+        return _mass(jnp.sum(jnp.where(hit, limbs[:, :, None, :], 0), axis=1, dtype=jnp.uint32), e.shape[1])
+
+    return stat
 
 
 def _top_p(z: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Keep the tokens whose probability mass strictly above theirs is < top_p (the most probable always)."""
-    p = _softmax(z)
-    top = _order_key(jnp.max(p, axis=1))
-    limit = jnp.broadcast_to(top_p.astype(jnp.float32), top.shape)
-    # mass(p > t) < top_p holds from the smallest kept probability on
-    threshold = _smallest_passing(p, limit, _order_key(jnp.zeros_like(top, jnp.float32)), top, weighted=True)
-    return jnp.where(p >= threshold[:, None], z, -jnp.inf)
+    """Keep the tokens whose probability mass strictly above theirs is < top_p (the most probable always). The
+    masses are fixed-point sums of floor(e * 2 ** 2b), e = `_relative(z)`: integer sums, so a row's bits are
+    its own whatever other rows run (rule 8); a float sum's order would depend on the row count."""
+    e = _relative(z)
+    limbs = _limbs(e)
+    limit = top_p.astype(jnp.float32) * _mass(jnp.sum(limbs, axis=1, dtype=jnp.uint32), z.shape[1])
+    zero, one = _order_key(jnp.zeros(limit.shape, jnp.float32)), _order_key(jnp.ones(limit.shape, jnp.float32))
+    # mass(e > t) < top_p * mass(all) holds from the smallest kept e on
+    threshold = _smallest_passing(_mass_above(e, limbs), limit, zero, one)
+    return jnp.where(e >= threshold[:, None], z, -jnp.inf)
 
 
 def _min_p(z: jax.Array, min_p: jax.Array) -> jax.Array:
-    p = _softmax(z)
-    return jnp.where(p >= min_p * jnp.max(p, axis=1, keepdims=True), z, -jnp.inf)
+    """MinPLogitsWarper: keep the tokens with probability >= min_p x the top one's (p / p_max = `_relative`)."""
+    return jnp.where(_relative(z) >= min_p, z, -jnp.inf)
 
 
 def _penalize(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> jax.Array:
@@ -185,7 +231,8 @@ def _penalize(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> jax.Arr
 
 def processed(logits: jax.Array, mode: SamplingMode, values: SamplerValues, seen: jax.Array | None = None):
     """float32 logits [R, V] -> the processed logits [R, V] float32 (removed tokens -inf), HuggingFace's order:
-    repetition penalty (seen: bool [R, V], the tokens of each row's context), temperature, top-k, top-p, min-p."""
+    repetition penalty (seen: bool [R, V], the tokens of each row's context), temperature, top-k, top-p, min-p.
+    Row r's output is a function of row r alone, the same bits for any R (order-free reductions)."""
     z = logits.astype(jnp.float32)
     if mode.penalty:
         z = _penalize(z, seen, values.penalty)

@@ -129,8 +129,8 @@ def _tile_step(params: dict, cfg: ModelConfig, state: DecodeState, row_tokens: j
 
 def decode_tile(params: dict, cfg: ModelConfig, state: DecodeState, tile_rows: int = ROW_TILE):
     """`decode_step` with the whole row tile: (state, float32 logits [tile_rows, V], the tile's input tokens int32
-    [tile_rows]); row 0 is the decode's, the others are padding (the sampler processes them along:
-    docs/design.md rule 8). tile_rows: ROW_TILE, or the rows of one slot of a batch (`jspec.batch`)."""
+    [tile_rows]); row 0 is the decode's, the others are padding. tile_rows: ROW_TILE, or the rows of one slot of a
+    batch (`jspec.batch`)."""
     pending = state.tokens[state.position]
     row_tokens = jnp.zeros((tile_rows,), jnp.int32).at[0].set(pending)
     state, logits = _tile_step(params, cfg, state, row_tokens, rows=1)

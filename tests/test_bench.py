@@ -101,7 +101,8 @@ def test_quick_peer_targets_plots_and_table(quick, capsys):
     targets = {t["name"]: t for t in data["targets"]}
     assert len(targets) == 12 and all(t["met"] is None for t in targets.values())  # a quick run claims nothing
     sampler = targets["the sampler costs < 3% of a decode step (llama-3-8b)"]
-    assert sampler["value"] > 0 and data["sections"]["sampling"]["rows"] == {"step": 8, "tile": 16}  # k + 1 rows
+    assert sampler["value"] is not None and "top_" in sampler["detail"]  # the costliest processor in the step
+    assert data["sections"]["sampling"]["rows"] == {"decode": 1, "verify": 8}  # k + 1 rows in a verify
     batch = data["sections"]["batch"]
     assert all(r["identical"] for r in batch["greedy"].values()) and batch["greedy"]["4"]["vs_b1"] > 0
     assert all(r["identical"] and r["lookup"]["mean_accepted"] > 1 for r in batch["lookup"].values())

@@ -108,22 +108,61 @@ def test_ties_at_the_cut():
 
 @pytest.mark.parametrize("weighted", [False, True])
 def test_threshold_search_finds_the_smallest_passing_float(weighted):
-    """The search's threshold passes its test (mass or count above it < the limit) and the float one bit pattern
-    below fails it: exact, not a bracket; over a vocabulary of 5000, top-p 0.9 of a softmax and top-k 50."""
+    """The search's threshold passes its test (the fixed-point mass or the count above it < the limit) and the float
+    one bit pattern below fails it: exact, not a bracket; over a vocabulary of 5000, top-p 0.9 and top-k 50. The
+    reference recomputes the masses in numpy from the definition (floor(e * 2 ** 2b) as exact integers)."""
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((4, 5000)).astype(np.float32) * 3
-    x = softmax(x).astype(np.float32) if weighted else x
-    limit = np.full(4, 0.9 if weighted else 50.0, np.float32)
-    lo = sampling._order_key(jnp.zeros(4) if weighted else jnp.min(jnp.asarray(x), axis=1))
-    hi = sampling._order_key(jnp.max(jnp.asarray(x), axis=1)) + (0 if weighted else 1)
-    search = jax.jit(functools.partial(sampling._smallest_passing, weighted=weighted))
-    t = np.asarray(search(jnp.asarray(x), jnp.asarray(limit), lo, hi))
+    z = rng.standard_normal((4, 5000)).astype(np.float32) * 3
+    x = np.asarray(sampling._relative(jnp.asarray(z))) if weighted else z
+    b = sampling.limb_bits(x.shape[1])
+    q = np.floor(x.astype(np.float64) * 2.0 ** (2 * b)).astype(np.int64)  # e <= 1: exact in float64
 
-    def stat(t):
-        hit = x > t[:, None] if weighted else x >= t[:, None]
-        return np.where(hit, x if weighted else 1.0, 0.0).astype(np.float64).sum(1)
+    def stat(t):  # numpy: the exact integer mass (rounded once to float32, as jspec) or the count
+        if not weighted:
+            return (x >= t[:, None]).sum(1)
+        m = np.where(x > t[:, None], q, 0).sum(1)
+        return np.float32(m >> b) * np.float32(2.0**b) + np.float32(m & (2**b - 1))
 
+    if weighted:
+        total = np.float32(q.sum(1) >> b) * np.float32(2.0**b) + np.float32(q.sum(1) & (2**b - 1))
+        limit = np.float32(0.9) * total
+        e = jnp.asarray(x)
+        lo, hi = sampling._order_key(jnp.zeros(4)), sampling._order_key(jnp.ones(4))
+        fn = sampling._mass_above(e, sampling._limbs(e))
+    else:
+        limit = np.full(4, 50, np.int32)
+        lo = sampling._order_key(jnp.min(jnp.asarray(x), axis=1))
+        hi = sampling._order_key(jnp.max(jnp.asarray(x), axis=1)) + 1
+        fn = sampling._count_at_least(jnp.asarray(x))
+    t = np.asarray(jax.jit(lambda lim, lo, hi: sampling._smallest_passing(fn, lim, lo, hi))(limit, lo, hi))
     assert (stat(t) < limit).all() and (stat(np.nextafter(t, np.float32(-np.inf))) >= limit).all()
+
+
+@pytest.mark.parametrize("case", ["all", "top_p", "min_p", "top_k"])
+def test_a_row_samples_the_same_bits_alone_or_beside_others(case):
+    """Rule 8's order-free reductions: the processed logits and choice of a row are the same bits run alone, among
+    8 rows (a k = 7 verify) and under a vmap over 3 batch slots, at the Llama-3 vocabulary (XLA picks its
+    reductions by shape; a float sum over the vocabulary would be free to differ)."""
+    vocab = 128256
+    s = dataclasses.replace(PROCESSORS[case], seed=5)
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.standard_normal((3, 8, vocab)) * 4, jnp.float32)
+    seen = jnp.asarray(rng.random((3, 8, vocab)) < 0.01) if s.mode.penalty else None
+    positions = jnp.arange(40, 64, dtype=jnp.int32).reshape(3, 8)
+
+    values = s.values()
+
+    def run(z, p, seen):
+        return processed(z, s.mode, values, seen), choose_rows(z, p, s.mode, values, seen)
+
+    batch = jax.jit(jax.vmap(run))(logits, positions, seen)
+    rows = jax.jit(run)(logits[1], positions[1], None if seen is None else seen[1])
+    for r in range(8):
+        alone = jax.jit(run)(
+            logits[1, r : r + 1], positions[1, r : r + 1], None if seen is None else seen[1, r : r + 1]
+        )
+        for got in (rows, jax.tree.map(lambda a: a[1], batch)):
+            assert np.array_equal(bits(got[0][r]), bits(alone[0][0])) and int(got[1][r]) == int(alone[1][0]), r
 
 
 def _draws(logits: np.ndarray, s: Sampler, seeds: int, positions) -> np.ndarray:
@@ -160,8 +199,8 @@ def test_choose_is_an_exact_sample_of_the_processed_softmax():
 
 # --------------------------------------------------------------------------------------------- step level
 def test_sampled_verify_rows_equal_decode_rows_bitwise():
-    """The processed logits and the choice of verify row i equal, bit for bit, those of the decode step at p + i
-    (the whole row tile through the sampler in both, every processor on)."""
+    """The processed logits and the choice of verify row i (of its k + 1) equal, bit for bit, those of the decode step
+    at p + i, which samples its one row (as the engine's steps), every processor on."""
     cfg = tiny_config("qwen2")
     params = tiny_params(cfg, seed=4)
     s = Sampler(temperature=0.9, top_k=30, top_p=0.9, min_p=0.01, repetition_penalty=1.2, seed=3)
@@ -178,13 +217,14 @@ def test_sampled_verify_rows_equal_decode_rows_bitwise():
     @jax.jit
     def decode(state, forced):
         after, tile, row_tokens = decode_tile(params, cfg, state)
-        z, chosen = sample(state, tile, row_tokens)
+        z, chosen = sample(state, jax.lax.optimization_barrier(tile)[:1], row_tokens[:1])
         return commit(after, jnp.int32(0), forced), z[0], chosen[0]
 
     @jax.jit
     def verify(state, draft):
         _, tile, row_tokens = verify_tile(params, cfg, state, draft)
-        return sample(state, tile, row_tokens)
+        rows = draft.shape[0] + 1
+        return sample(state, jax.lax.optimization_barrier(tile)[:rows], row_tokens[:rows])
 
     draft = np.asarray([11, 60, 2, 2, 95, 7, 33], np.int32)
     vz, vchosen = verify(state, draft)

@@ -1,9 +1,8 @@
 """The `sampling` section: what position-keyed sampling (jspec.Sampler) costs and buys at the e2e model's shape.
 
-1. The sampler alone: `jspec.sampling.choose_rows` on the k + 1 rows a step samples (float32 logits [k + 1, V],
-   V = 128256 and 152064, the Llama-3 and Qwen2.5 vocabularies), per processor set, and on a whole [ROW_TILE, V]
-   tile (what a step sampled before it cut the tile to k + 1 rows); jitted, median time per call of chained calls,
-   and under the XLA profiler its GPU kernel time.
+1. The sampler alone: `jspec.sampling.choose_rows` on the one row a decode step samples and the k + 1 rows a verify
+   samples (float32 logits [rows, V], V = 128256 and 152064, the Llama-3 and Qwen2.5 vocabularies), per processor
+   set; jitted, median time per call of chained calls, and under the XLA profiler its GPU kernel time.
 2. In the step: the host loop's decode rounds greedy and sampled (no drafter), ms per token, prefill excluded;
    the median of `REPEATS` runs of each, interleaved.
 3. End to end with prompt lookup at --sampling-temperature: tok/s against plain sampling with the same seed, and the
@@ -31,7 +30,6 @@ from jspec_bench.report import Context
 from jspec_bench.shapes import scale_attention_output
 from jspec_bench.steps import _load_model
 from jspec_bench.timing import kernel_times, profile
-from pallas_kernels import ROW_TILE
 
 SAMPLERS = {
     "temperature": Sampler(temperature=0.7),
@@ -74,7 +72,7 @@ def section_sampling(ctx: Context, sec: dict) -> None:
     opts = ctx.opts
     calls = 3 if opts.quick else 50
     vocabs = (2048,) if opts.quick else (128256, 152064)
-    sec["rows"] = {"step": opts.k + 1, "tile": ROW_TILE}  # what a step samples (k + 1), and a whole tile
+    sec["rows"] = {"decode": 1, "verify": opts.k + 1}  # what a decode step and a verify step sample
     sec["sampler_alone"] = {}
     for vocab in vocabs:
         for label, sampler in SAMPLERS.items():
@@ -93,7 +91,7 @@ def section_sampling(ctx: Context, sec: dict) -> None:
         sec.update(status="partial", reason=why or f"--models does not include {name}")
         return
     params, cfg, info = _load_model(ctx, name)
-    sec.update(model=name, **{k: info[k] for k in ("source", "config")})
+    sec.update(model=name, vocab=cfg.vocab_size, **{k: info[k] for k in ("source", "config")})
     params = scale_attention_output(params, opts.o_factor)
     n, plen = opts.new_tokens, opts.prompt_len
     length = 2 * plen + n
