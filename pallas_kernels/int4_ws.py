@@ -75,13 +75,17 @@ class Config:
     chunks: k chunks per step, each converted and handed to its own (asynchronous) wgmma before the next is
     converted, so a chunk's conversion overlaps the previous chunk's wgmma. The chunks issue the same wgmma
     instructions in the same k order as one chunk would: the bits do not depend on `chunks` (a GPU test checks it).
-    2 chunks: -4.6% int4 kernel time in the Llama-3-8B decode step, -6.0% at Qwen2.5-14B (docs/kernels.md)."""
+    2 chunks: -4.6% int4 kernel time in the Llama-3-8B decode step, -6.0% at Qwen2.5-14B (docs/kernels.md).
+    wide_wgmma: a launch of T row tiles issues one wgmma of N = 16 T per chunk, into one accumulator, rather than T
+    of N = 16 (a tile's columns get the bits its own N = 16 wgmma gives: the wgmma's N columns are independent dot
+    products over the same k; a GPU test checks it)."""
 
     stages: int = 4
     wg_rows: int = 64
     ctas: int | None = None
     min_steps: int = 4
     chunks: int = 2
+    wide_wgmma: bool = True
 
     @property
     def tile_rows(self) -> int:
@@ -313,8 +317,9 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             q = plgpu.load(c_smem.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X)
             for ch in range(cfg.chunks):
                 w = scaled_chunk(q, s_smem, ch)
-                for r, acc in enumerate(accs):  # row tile r: the wgmma it gets alone
-                    x_tile = x_smem.at[r * ROW_TILE : (r + 1) * ROW_TILE, ch * chunk_k : (ch + 1) * chunk_k]
+                for r, acc in enumerate(accs):  # one wgmma over every row tile (wide), or the one tile r gets alone
+                    width = acc.shape[1]
+                    x_tile = x_smem.at[r * width : (r + 1) * width, ch * chunk_k : (ch + 1) * chunk_k]
                     plgpu.wgmma(acc, w, x_tile.T)
             plgpu.wgmma_wait(0)
 
@@ -322,9 +327,12 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             def _():
                 seg = c - part.cta_of(t * steps)
                 cols = pl.ds(t * tile_rows + wg * wg_rows, wg_rows)
-                for r, acc in enumerate(accs):
+                tile_accs = [
+                    a[...][:, i * ROW_TILE : (i + 1) * ROW_TILE] for a in accs for i in range(a.shape[1] // ROW_TILE)
+                ]
+                for r, value in enumerate(tile_accs):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read o_smem
-                    _store_transposed(acc[...], o_smem.at[wg])
+                    _store_transposed(value, o_smem.at[wg])
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[seg, pl.ds(r * ROW_TILE, ROW_TILE), cols])
 
@@ -339,7 +347,10 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
                 eval_pipeline(accs)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-            pl.run_scoped(acc_scope, *[plgpu.ACC((wg_rows, ROW_TILE), jnp.float32)] * tiles)
+            if cfg.wide_wgmma:
+                pl.run_scoped(acc_scope, plgpu.ACC((wg_rows, tiles * ROW_TILE), jnp.float32))
+            else:
+                pl.run_scoped(acc_scope, *[plgpu.ACC((wg_rows, ROW_TILE), jnp.float32)] * tiles)
 
         plgpu.emit_pipeline_warp_specialized(
             body,

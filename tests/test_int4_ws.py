@@ -267,6 +267,7 @@ def test_launches_of_several_row_tiles_fit_shared_memory_and_keep_one_tile_uncha
         (1280, 512, None),
         (1280, 512, int4_ws.Config(ctas=7, min_steps=1)),  # several segments per tile
         (1280, 512, int4_ws.Config(ctas=5, min_steps=1, wg_rows=128)),
+        (1280, 512, int4_ws.Config(ctas=7, min_steps=1, wide_wgmma=False)),  # one wgmma per row tile
         (4096, 28672, None),  # Llama-3-8B gate_up: wide tiles, 3 row tiles per launch
     ],
 )
