@@ -22,8 +22,7 @@ Exact thresholds without a sort: top-k keeps the logits >= the k-th largest (tie
 keeps the tokens whose probability mass strictly above theirs is < top_p (TopPLogitsWarper's set; a tie group at
 the cut is kept whole), each found by a 16-way search over the float32 bit patterns: `SEARCH_PASSES` fused
 reductions over the whole row, never a prefix of the vocabulary that might cut the nucleus. top-p's masses are
-sums of each token's probability relative to the top one's in fixed point, 2 ** -28 of it at V = 152064 (float32
-cumulative sums, as transformers', round at 2 ** -24 of the running sum).
+integer sums of each token's probability relative to the top one's in fixed point (2 ** -24 of it).
 """
 
 from __future__ import annotations
@@ -174,48 +173,50 @@ def _relative(z: jax.Array) -> jax.Array:
     return jnp.exp(z - jnp.max(z, axis=1, keepdims=True))
 
 
-def limb_bits(vocab: int) -> int:
-    """Bits per limb of the fixed-point masses over a vocabulary: vocab * 2 ** bits < 2 ** 32, so neither limb's sum
-    over a row can overflow uint32 (15 at V = 128256, 14 at 152064: a token's mass to 2 ** -28 of the top one's)."""
-    return 32 - vocab.bit_length()
+MASS_BITS = 24  # top-p's fixed point: a token's mass is round(e * 2 ** 24), e its probability over the top one's
+MASS_CHUNK = 128  # tokens per exact uint32 partial sum: 128 * 2 ** 24 = 2 ** 31
 
 
-def _limbs(e: jax.Array) -> jax.Array:
-    """e float32 [R, V] in [0, 1] -> uint32 [R, V, 2]: floor(e * 2 ** (2 b)) as (hi, lo) = (its quotient, its
-    remainder by 2 ** b), b = limb_bits(V). Every step is exact: scalings by powers of two, floors, and a
-    subtraction whose result is an integer below 2 ** b."""
-    b = limb_bits(e.shape[1])
-    q = jnp.floor(e * 2.0 ** (2 * b))
-    hi = jnp.floor(q * 2.0**-b)
-    return jnp.stack([hi, q - hi * 2.0**b], axis=-1).astype(jnp.uint32)
+def _fixed_point(e: jax.Array) -> jax.Array:
+    """e float32 [R, V] in [0, 1] -> uint32 [R, C, MASS_CHUNK]: round(e * 2 ** MASS_BITS), zero-padded to C whole
+    chunks (every step exact: a scaling by a power of two, a rounding, a conversion of an integer <= 2 ** 24)."""
+    pad = -e.shape[1] % MASS_CHUNK
+    q = jnp.round(e * 2.0**MASS_BITS).astype(jnp.uint32)
+    return jnp.pad(q, ((0, 0), (0, pad))).reshape(e.shape[0], -1, MASS_CHUNK)
 
 
-def _mass(sums: jax.Array, vocab: int) -> jax.Array:
-    """uint32 [..., 2] limb sums -> float32 [...]: hi * 2 ** b + lo, one rounding of the exact integer (a function
-    of the integers alone, so of the set of tokens summed, never of the order)."""
-    return sums[..., 0].astype(jnp.float32) * 2.0 ** limb_bits(vocab) + sums[..., 1].astype(jnp.float32)
+def _over_chunks(sums: jax.Array) -> jax.Array:
+    """uint32 chunk sums [R, C, ...] (each < 2 ** 31) -> float32 [R, ...]: their total, summed exactly in two 16-bit
+    halves (C < 2 ** 16) and then rounded to float32 (a function of the two integers alone, never of an order)."""
+    hi = jnp.sum(sums >> 16, axis=1, dtype=jnp.uint32)
+    lo = jnp.sum(sums & 0xFFFF, axis=1, dtype=jnp.uint32)
+    return hi.astype(jnp.float32) * 65536.0 + lo.astype(jnp.float32)
 
 
-def _mass_above(e: jax.Array, limbs: jax.Array):
-    """stat for the search: t [R, 1, W] -> float32 [R, W], the fixed-point mass of the tokens with e [R, V] > t."""
+def _mass_above(e: jax.Array, q: jax.Array):
+    """stat for the search: t [R, 1, W] -> float32 [R, W], the fixed-point mass (q: `_fixed_point(e)`) of the
+    tokens with e [R, V] > t."""
+    ec = jnp.pad(e, ((0, 0), (0, q.shape[1] * MASS_CHUNK - e.shape[1]))).reshape(q.shape)
 
     def stat(t):
-        hit = (e[:, :, None] > t)[..., None]  # [R, V, W, 1]
-        return _mass(jnp.sum(jnp.where(hit, limbs[:, :, None, :], 0), axis=1, dtype=jnp.uint32), e.shape[1])
+        hit = ec[..., None] > t[:, :, None, :]  # [R, C, MASS_CHUNK, W]
+        return _over_chunks(jnp.sum(jnp.where(hit, q[..., None], 0), axis=2, dtype=jnp.uint32))
 
     return stat
 
 
 def _top_p(z: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Keep the tokens whose probability mass strictly above theirs is < top_p (the most probable always). The
-    masses are fixed-point sums of floor(e * 2 ** 2b), e = `_relative(z)`: integer sums, so a row's bits are
-    its own whatever other rows run (rule 8); a float sum's order would depend on the row count."""
+    """Keep the tokens whose probability mass strictly above theirs is < top_p (the most probable always). A
+    token's mass is its e = `_relative(z)` in fixed point (2 ** -24 of the top token's, the resolution of
+    transformers' float32 cumulative sum near 1), summed as integers: a row's bits are its own whatever other rows
+    run (rule 8), where a float sum's order, and so its rounding, is XLA's choice per shape (1 ulp apart between 1
+    and 8 rows on the H200, float_sums_by_rows_h200.txt)."""
     e = _relative(z)
-    limbs = _limbs(e)
-    limit = top_p.astype(jnp.float32) * _mass(jnp.sum(limbs, axis=1, dtype=jnp.uint32), z.shape[1])
+    q = _fixed_point(e)
+    limit = top_p.astype(jnp.float32) * _over_chunks(jnp.sum(q, axis=2, dtype=jnp.uint32))
     zero, one = _order_key(jnp.zeros(limit.shape, jnp.float32)), _order_key(jnp.ones(limit.shape, jnp.float32))
     # mass(e > t) < top_p * mass(all) holds from the smallest kept e on
-    threshold = _smallest_passing(_mass_above(e, limbs), limit, zero, one)
+    threshold = _smallest_passing(_mass_above(e, q), limit, zero, one)
     return jnp.where(e >= threshold[:, None], z, -jnp.inf)
 
 

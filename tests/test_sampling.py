@@ -110,25 +110,24 @@ def test_ties_at_the_cut():
 def test_threshold_search_finds_the_smallest_passing_float(weighted):
     """The search's threshold passes its test (the fixed-point mass or the count above it < the limit) and the float
     one bit pattern below fails it: exact, not a bracket; over a vocabulary of 5000, top-p 0.9 and top-k 50. The
-    reference recomputes the masses in numpy from the definition (floor(e * 2 ** 2b) as exact integers)."""
+    reference recomputes the masses in numpy from the definition (round(e * 2 ** 24) as exact integers)."""
     rng = np.random.default_rng(1)
     z = rng.standard_normal((4, 5000)).astype(np.float32) * 3
     x = np.asarray(sampling._relative(jnp.asarray(z))) if weighted else z
-    b = sampling.limb_bits(x.shape[1])
-    q = np.floor(x.astype(np.float64) * 2.0 ** (2 * b)).astype(np.int64)  # e <= 1: exact in float64
+    q = np.round(x.astype(np.float64) * 2.0**sampling.MASS_BITS).astype(np.int64)  # e <= 1: exact in float64
 
     def stat(t):  # numpy: the exact integer mass (rounded once to float32, as jspec) or the count
         if not weighted:
             return (x >= t[:, None]).sum(1)
         m = np.where(x > t[:, None], q, 0).sum(1)
-        return np.float32(m >> b) * np.float32(2.0**b) + np.float32(m & (2**b - 1))
+        return np.float32(m >> 16) * np.float32(65536) + np.float32(m & 0xFFFF)
 
     if weighted:
-        total = np.float32(q.sum(1) >> b) * np.float32(2.0**b) + np.float32(q.sum(1) & (2**b - 1))
-        limit = np.float32(0.9) * total
+        total = q.sum(1)
+        limit = np.float32(0.9) * (np.float32(total >> 16) * np.float32(65536) + np.float32(total & 0xFFFF))
         e = jnp.asarray(x)
         lo, hi = sampling._order_key(jnp.zeros(4)), sampling._order_key(jnp.ones(4))
-        fn = sampling._mass_above(e, sampling._limbs(e))
+        fn = sampling._mass_above(e, sampling._fixed_point(e))
     else:
         limit = np.full(4, 50, np.int32)
         lo = sampling._order_key(jnp.min(jnp.asarray(x), axis=1))
