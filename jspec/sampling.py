@@ -210,7 +210,7 @@ def _top_p(z: jax.Array, top_p: jax.Array) -> jax.Array:
     token's mass is its e = `_relative(z)` in fixed point (2 ** -24 of the top token's, the resolution of
     transformers' float32 cumulative sum near 1), summed as integers: a row's bits are its own whatever other rows
     run (rule 8), where a float sum's order, and so its rounding, is XLA's choice per shape (1 ulp apart between 1
-    and 8 rows on the H200, float_sums_by_rows_h200.txt)."""
+    and 8 rows on the H200: experiments/results/top_p_mass_h200.json)."""
     e = _relative(z)
     q = _fixed_point(e)
     limit = top_p.astype(jnp.float32) * _over_chunks(jnp.sum(q, axis=2, dtype=jnp.uint32))

@@ -101,7 +101,7 @@ def test_quick_peer_targets_plots_and_table(quick, capsys):
     targets = {t["name"]: t for t in data["targets"]}
     assert len(targets) == 12 and all(t["met"] is None for t in targets.values())  # a quick run claims nothing
     sampler = targets["the sampler costs < 3% of a decode step (llama-3-8b)"]
-    assert sampler["value"] is not None and "top_" in sampler["detail"]  # the costliest processor in the step
+    assert sampler["value"] is not None  # the costliest processor's share of the decode step
     assert data["sections"]["sampling"]["rows"] == {"decode": 1, "verify": 8}  # k + 1 rows in a verify
     batch = data["sections"]["batch"]
     assert all(r["identical"] for r in batch["greedy"].values()) and batch["greedy"]["4"]["vs_b1"] > 0

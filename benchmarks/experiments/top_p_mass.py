@@ -1,12 +1,15 @@
 """top-p's mass sums, A/B on the GPU (`jspec.sampling._top_p`). The sampler's reductions must be order-free (rule 8)
-so a row's bits do not depend on the rows beside it; variants of the mass above each search candidate:
+so a row's bits do not depend on the rows beside it. First the fact that makes it so: float32 softmax sums of the
+same rows, 8 rows at once against each row alone and under a vmap over 3 slots (ulp differences). Then variants of
+the mass above each search candidate:
 
-- float: today's pass before the fixed point, softmax probabilities summed in float32 (order chosen by XLA per
-  shape: not row-count independent; the reference cost);
-- limbs: `sampling._top_p`, floor(e * 2 ** 2b) as two uint32 limbs reduced together ([R, V, 15, 2]);
+- float: the pass before the fixed point, softmax probabilities summed in float32 (order chosen by XLA per shape:
+  not row-count independent; the reference cost);
+- limbs: floor(e * 2 ** 2b) as two uint32 limbs reduced together ([R, V, 15, 2]), b = 32 - V.bit_length();
 - limbs_apart: the same limbs as two separate [R, V, 15] reductions;
-- chunks: floor(e * 2 ** 24) in one uint32 limb, summed exactly per chunk of 128 tokens (<= 2 ** 31), the chunk
-  sums then split in 16-bit halves and summed over the chunks (a coarser fixed point: 2 ** -24 of the top token).
+- chunks: `sampling._top_p`, round(e * 2 ** 24) in one uint32 limb summed exactly per chunk of 128 tokens, the
+  chunk sums then split in 16-bit halves and summed over the chunks (at 7aff35e this variant floored; the library
+  rounds).
 
 Per variant, R = 1 and 8 rows, V = 128256 and 152064: GPU kernel time of one call of temperature + top-p 0.9 (XLA
 profiler), and whether its kept set equals the limbs variant's.
@@ -31,8 +34,6 @@ import numpy as np  # noqa: E402
 from jspec import sampling as s  # noqa: E402
 from jspec_bench.timing import kernel_times, profile  # noqa: E402
 
-CHUNK = 128
-
 
 def top_p_float(z, top_p):
     p = jax.nn.softmax(z, axis=-1)
@@ -42,46 +43,67 @@ def top_p_float(z, top_p):
     return jnp.where(p >= t[:, None], z, -jnp.inf)
 
 
-def top_p_limbs_apart(z, top_p):
+def _limb_bits(vocab: int) -> int:
+    return 32 - vocab.bit_length()  # vocab * 2 ** bits < 2 ** 32: no limb sum overflows
+
+
+def _limbs(e):
+    b = _limb_bits(e.shape[1])
+    q = jnp.floor(e * 2.0 ** (2 * b))
+    hi = jnp.floor(q * 2.0**-b)
+    return jnp.stack([hi, q - hi * 2.0**b], axis=-1).astype(jnp.uint32)  # [R, V, 2]
+
+
+def _mass(sums, vocab: int):
+    return sums[..., 0].astype(jnp.float32) * 2.0 ** _limb_bits(vocab) + sums[..., 1].astype(jnp.float32)
+
+
+def top_p_limbs(z, top_p):
     e = s._relative(z)
-    limbs = s._limbs(e)
+    limbs = _limbs(e)
     vocab = z.shape[1]
-    limit = top_p * s._mass(jnp.sum(limbs, axis=1, dtype=jnp.uint32), vocab)
+    limit = top_p * _mass(jnp.sum(limbs, axis=1, dtype=jnp.uint32), vocab)
 
     def stat(t):
-        hit = e[:, :, None] > t
-        hi = jnp.sum(jnp.where(hit, limbs[:, :, None, 0], 0), axis=1, dtype=jnp.uint32)
-        lo = jnp.sum(jnp.where(hit, limbs[:, :, None, 1], 0), axis=1, dtype=jnp.uint32)
-        return s._mass(jnp.stack([hi, lo], -1), vocab)
+        hit = (e[:, :, None] > t)[..., None]  # [R, V, W, 1]
+        return _mass(jnp.sum(jnp.where(hit, limbs[:, :, None, :], 0), axis=1, dtype=jnp.uint32), vocab)
 
     zero, one = s._order_key(jnp.zeros(limit.shape)), s._order_key(jnp.ones(limit.shape))
     t = s._smallest_passing(stat, limit, zero, one)
     return jnp.where(e >= t[:, None], z, -jnp.inf)
 
 
-def top_p_chunks(z, top_p):
+def top_p_limbs_apart(z, top_p):
     e = s._relative(z)
-    rows, vocab = e.shape
-    e = jnp.pad(e, ((0, 0), (0, -vocab % CHUNK))).reshape(rows, -1, CHUNK)
-    q = jnp.floor(e * 2.0**24).astype(jnp.uint32)
+    limbs = _limbs(e)
+    vocab = z.shape[1]
+    limit = top_p * _mass(jnp.sum(limbs, axis=1, dtype=jnp.uint32), vocab)
 
-    def over_chunks(c):  # uint32 [R, C, ...] chunk sums (< 2 ** 31) -> float32 [R, ...]
-        hi = jnp.sum(c >> 16, axis=1, dtype=jnp.uint32)
-        lo = jnp.sum(c & 0xFFFF, axis=1, dtype=jnp.uint32)
-        return hi.astype(jnp.float32) * 65536.0 + lo.astype(jnp.float32)
-
-    limit = top_p * over_chunks(jnp.sum(q, axis=2, dtype=jnp.uint32))
-
-    def stat(t):  # [R, 1, W]
-        hit = e[..., None] > t[:, :, None, :]  # [R, C, CHUNK, W]
-        return over_chunks(jnp.sum(jnp.where(hit, q[..., None], 0), axis=2, dtype=jnp.uint32))
+    def stat(t):
+        hit = e[:, :, None] > t
+        hi = jnp.sum(jnp.where(hit, limbs[:, :, None, 0], 0), axis=1, dtype=jnp.uint32)
+        lo = jnp.sum(jnp.where(hit, limbs[:, :, None, 1], 0), axis=1, dtype=jnp.uint32)
+        return _mass(jnp.stack([hi, lo], -1), vocab)
 
     zero, one = s._order_key(jnp.zeros(limit.shape)), s._order_key(jnp.ones(limit.shape))
     t = s._smallest_passing(stat, limit, zero, one)
-    return jnp.where(e.reshape(rows, -1)[:, :vocab] >= t[:, None], z, -jnp.inf)
+    return jnp.where(e >= t[:, None], z, -jnp.inf)
 
 
-VARIANTS = {"float": top_p_float, "limbs": s._top_p, "limbs_apart": top_p_limbs_apart, "chunks": top_p_chunks}
+VARIANTS = {"float": top_p_float, "limbs": top_p_limbs, "limbs_apart": top_p_limbs_apart, "chunks": s._top_p}
+
+
+def float_sums_by_rows(vocab: int = 128256) -> dict:
+    """ulp differences of float32 softmax sums [R, V] -> [R]: 8 rows at once, and under a vmap over 3 slots of 8,
+    each against the row alone ([1, V])."""
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 8, vocab)) * 4, jnp.float32)
+    f = jax.jit(lambda z: jnp.sum(jnp.exp(z - jnp.max(z, -1, keepdims=True)), -1))
+    alone = np.stack([np.asarray(f(x[1, r : r + 1]))[0] for r in range(8)])
+
+    def ulps(a):
+        return (np.asarray(a).view(np.uint32).astype(np.int64) - alone.view(np.uint32).astype(np.int64)).tolist()
+
+    return {"vocab": vocab, "rows_8_vs_alone": ulps(f(x[1])), "vmap_3x8_vs_alone": ulps(jax.jit(jax.vmap(f))(x)[1])}
 
 
 def main() -> None:
@@ -91,6 +113,8 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     result = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "commit": args.commit, "cases": {}}
+    result["float_sums_by_rows"] = float_sums_by_rows()
+    print("float32 softmax sums, ulps against the row alone:", result["float_sums_by_rows"], flush=True)
     for vocab in (128256, 152064):
         for rows in (1, 8):
             logits = jnp.asarray(rng.standard_normal((rows, vocab)) * 4, jnp.float32)

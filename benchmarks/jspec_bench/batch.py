@@ -11,8 +11,9 @@
 2. Prompt lookup at B = 4 and 8 with k = 3 and 7 on the e2e section's echo prompts (each slot its own prompt):
    tokens/s against greedy at the same B, mean_accepted; every sequence's tokens against the engine's greedy
    batch (speculative == greedy, an identity check).
-3. With --peer-hf: HuggingFace transformers' batched greedy generate at the same shape and batch sizes (bf16, sdpa,
-   a StaticCache; the prompts share one length, so no padding), decode tokens/s as (N + n) minus (N + 1) tokens.
+3. With --peer-hf: HuggingFace transformers' batched greedy generate at the same shape, each batch size right after
+   jspec's (bf16, sdpa, a StaticCache; the prompts share one length, so no padding), decode tokens/s as (N + n)
+   minus (N + 1) tokens; `greedy.<B>.transformers` and `vs_transformers`.
 The attention output is scaled as in e2e (--o-factor) so the random model's continuation follows the echo.
 """
 
@@ -89,6 +90,7 @@ def section_batch(ctx: Context, sec: dict) -> None:
     except Exception as e:  # the profiler is an add-on: record why, go on
         sec["int4_rows"] = {"error": _error_text(e)}
     ctx.report.save()
+    peer = _HFBatches(ctx, name) if opts.peer_hf else None
     sec["greedy"] = {}
     base = None
     for b in sizes:
@@ -125,6 +127,13 @@ def section_batch(ctx: Context, sec: dict) -> None:
         ctx.report.save()
         engine = None  # noqa: F841
         gc.collect()
+        if peer is not None:
+            r["transformers"] = peer.run(b, batch, n)
+            if "decode_tok_s" in r["transformers"]:
+                r["vs_transformers"] = r["decode_tok_s"] / r["transformers"]["decode_tok_s"]
+            ctx.report.save()
+    if peer is not None:
+        sec["peer_hf"] = peer.info
     sec["lookup"] = {}
     for b, k in lookups:
         why = ctx.budget.why_not(10.0 if opts.quick else 40.0, f"batch lookup B={b} k={k}")
@@ -157,13 +166,6 @@ def section_batch(ctx: Context, sec: dict) -> None:
         ctx.report.save()
         engine = None  # noqa: F841
         gc.collect()
-    if opts.peer_hf:
-        sec["peer_hf"] = _hf_batches(ctx, name, sizes, prompts, n)
-        ctx.report.save()
-        for b, r in sec["greedy"].items():
-            peer = sec["peer_hf"].get(b, {}).get("decode_tok_s")
-            if peer and "decode_tok_s" in r:
-                r["vs_transformers"] = r["decode_tok_s"] / peer
 
 
 def _round_kernels(engine: Engine, batch: list, n: int, per_round_us: float) -> dict | None:
@@ -242,30 +244,43 @@ def _int4_rows(params: dict) -> dict | None:
     return out
 
 
-def _hf_batches(ctx: Context, name: str, sizes, prompts: list, n: int) -> dict:
-    """transformers' batched greedy generate (bf16, sdpa, StaticCache) per batch size: decode tokens/s of the batch
-    from two runs, n and 1 new tokens (the prefill cancels)."""
-    import torch
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+class _HFBatches:
+    """transformers' batched greedy generate (bf16, sdpa, StaticCache) at the e2e model's shape: the model is built
+    at the first run; `run(b, prompts, n)` -> decode tokens/s of the batch from two runs, n and 1 new tokens (the
+    prefill cancels), or why it was skipped."""
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf = hf_config_dict(name, ctx.opts.quick)
-    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
-    torch.manual_seed(ctx.opts.seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16).eval()
-    out = {"transformers": transformers.__version__, "torch": torch.__version__, "setup": "bf16, sdpa, StaticCache"}
-    for b in sizes:
-        why = ctx.budget.why_not(5.0 if ctx.opts.quick else 30.0, f"transformers batch B={b}")
+    def __init__(self, ctx: Context, name: str):
+        import torch
+        import transformers
+
+        self.ctx, self.name, self.model = ctx, name, None
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.info = {
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "setup": "bf16, sdpa, StaticCache",
+        }
+
+    def run(self, b: int, prompts: list, n: int) -> dict:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        why = self.ctx.budget.why_not(5.0 if self.ctx.opts.quick else 30.0, f"transformers batch B={b}")
         if why:
-            out[str(b)] = {"status": "skipped", "reason": why}
-            continue
-        ids = np.stack([prompts[i][1] for i in range(b)]) % config.vocab_size
+            return {"status": "skipped", "reason": why}
+        if self.model is None:
+            hf = hf_config_dict(self.name, self.ctx.opts.quick)
+            self.config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+            torch.manual_seed(self.ctx.opts.seed)
+            with torch.device(self.device):
+                self.model = AutoModelForCausalLM.from_config(
+                    self.config, attn_implementation="sdpa", dtype=torch.bfloat16
+                ).eval()
+        ids = np.stack(prompts) % self.config.vocab_size
         cache = ids.shape[1] + n + 1  # one cache length: one compiled forward for the three runs
-        _hf_generate(model, config, ids, n, None, device, cache_len=cache)  # warm: compile
-        _, one_s = _hf_generate(model, config, ids, 1, None, device, cache_len=cache)
-        _, full_s = _hf_generate(model, config, ids, n, None, device, cache_len=cache)
-        out[str(b)] = {"decode_tok_s": b * (n - 1) / (full_s - one_s), "wall_s": full_s, "first_token_s": one_s}
-        print(f"  transformers batch B={b}: {out[str(b)]['decode_tok_s']:.0f} tok/s decode", flush=True)
-    return out
+        _hf_generate(self.model, self.config, ids, n, None, self.device, cache_len=cache)  # warm: compile
+        _, one_s = _hf_generate(self.model, self.config, ids, 1, None, self.device, cache_len=cache)
+        _, full_s = _hf_generate(self.model, self.config, ids, n, None, self.device, cache_len=cache)
+        out = {"decode_tok_s": b * (n - 1) / (full_s - one_s), "wall_s": full_s, "first_token_s": one_s}
+        print(f"  transformers batch B={b}: {out['decode_tok_s']:.0f} tok/s decode", flush=True)
+        return out
