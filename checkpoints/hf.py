@@ -13,9 +13,14 @@ biases, norms and embeddings stay dense in `dtype`. A checkpoint whose config.js
 
 MTP heads, which transformers drops, are read by checkpoints/hf_mtp.py into params["mtp"] when present.
 
+mesh (a tensor-parallel mesh, `jspec.tensor_parallel`): each layer is split into its shards and each shard moved
+to its device as soon as the layer is read (`Linears.place`), then the embedding, final norm and lm_head: no
+device holds more than its shards plus the one layer being read. The params come back stacked on the mesh.
+
 Families register a loader in FAMILY_LOADERS: loader(ckpt, cfg, linears, quantize_lm_head) -> params, reading
 tensors through `Checkpoint.get` and linears through `Linears.weight` / `Linears.bias` (`linears.dtype` is the
-dense dtype); every tensor in the checkpoint must be consumed.
+dense dtype), and handing each layer, then the rest, to `Linears.place`; every tensor in the checkpoint must be
+consumed.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from checkpoints.formats import QuantScheme, concat_n, scheme_from_config
+from jspec import tensor_parallel
 from jspec.config import ModelConfig, UnsupportedModelError
 from pallas_kernels.int4 import quantize
 
@@ -139,10 +145,16 @@ def _tensor_files(hf_dir: str) -> dict[str, str]:
 
 
 class Linears:
-    """Loads linear layers in the jspec layout: dense [K, N] in `dtype`, or Int4Weight (imported or quantized)."""
+    """Loads linear layers in the jspec layout: dense [K, N] in `dtype`, or Int4Weight (imported or quantized).
+    mesh: where `place` puts a params subtree: None (as it is), or its shards on a tensor-parallel mesh."""
 
-    def __init__(self, ckpt: Checkpoint, scheme: QuantScheme | None, quantize: bool, dtype):
+    def __init__(self, ckpt: Checkpoint, scheme: QuantScheme | None, quantize: bool, dtype, cfg=None, mesh=None):
         self.ckpt, self.scheme, self.quantize, self.dtype = ckpt, scheme, quantize, dtype
+        self.cfg, self.mesh = cfg, mesh
+
+    def place(self, tree):
+        """A params subtree (a layer, an MTP head, the embedding and lm_head) as it is, or stacked on the mesh."""
+        return tree if self.mesh is None else tensor_parallel.shard_params(tree, self.cfg, self.mesh)
 
     def weight(self, prefixes: list[str], k: int, ns: list[int], *, quantize: bool | None = None):
         """HF Linears `prefix.weight` [n, k] for each prefix, fused along N -> [K, sum(ns)]."""
@@ -168,15 +180,19 @@ class Linears:
 
 def load_dense(ckpt: Checkpoint, cfg: ModelConfig, linears: Linears, quantize_lm_head: bool) -> dict:
     """qwen2 / llama / glm4 tensors -> the params layout of jspec/models/dense.py."""
+    layers = [linears.place(dense_layer_params(ckpt, cfg, linears, f"model.layers.{i}")) for i in range(cfg.num_layers)]
+    return dict(outer_params(ckpt, cfg, linears, quantize_lm_head), layers=layers)
+
+
+def outer_params(ckpt: Checkpoint, cfg: ModelConfig, linears: Linears, quantize_lm_head: bool) -> dict:
+    """embed, final_norm and lm_head (`lm_head_weight`), placed."""
     h, dt = cfg.hidden_size, linears.dtype
     embed = ckpt.get("model.embed_tokens.weight", (cfg.vocab_size, h))
-    layers = [dense_layer_params(ckpt, cfg, linears, f"model.layers.{i}") for i in range(cfg.num_layers)]
-    final_norm = ckpt.get("model.norm.weight", (h,)).astype(dt)
-    params = dict(embed=embed.astype(dt), layers=layers, final_norm=final_norm)
+    params = dict(embed=embed.astype(dt), final_norm=ckpt.get("model.norm.weight", (h,)).astype(dt))
     lm_head = lm_head_weight(ckpt, cfg, linears, embed, quantize_lm_head)
     if lm_head is not None:
         params["lm_head"] = lm_head
-    return params
+    return linears.place(params)
 
 
 def dense_layer_params(ckpt: Checkpoint, cfg: ModelConfig, linears: Linears, pre: str) -> dict:
@@ -239,11 +255,13 @@ def load_hf(
     dtype: str = "float32",
     quantize: str | None = None,
     quantize_lm_head: bool | None = None,
+    mesh=None,
 ) -> tuple[dict, ModelConfig]:
     """Import a HuggingFace checkpoint directory -> (params, cfg). See the module docstring.
 
     dtype: "float32" | "bfloat16" for dense weights, norms, biases and embeddings.
     quantize: None | "int4". quantize_lm_head: None (QUANTIZE_LM_HEAD_DEFAULT) | bool; only with quantize="int4".
+    mesh: None, or a tensor-parallel mesh: the params come back stacked on it, each shard loaded onto its device.
     """
     dt = _dtype(dtype)
     if quantize not in (None, "int4"):
@@ -252,6 +270,8 @@ def load_hf(
         raise ValueError("quantize_lm_head applies only with quantize='int4'")
     hf_config = read_hf_config(hf_dir)
     cfg = ModelConfig.from_hf(hf_config)
+    if mesh is not None:  # a bad mesh or sizes it cannot split raise before any tensor is read
+        tensor_parallel.shard_config(cfg, tensor_parallel.mesh_size(mesh))
     loader = FAMILY_LOADERS.get(cfg.family)
     if loader is None:
         raise UnsupportedModelError(
@@ -260,7 +280,7 @@ def load_hf(
     scheme = scheme_from_config(hf_config.get("quantization_config"))
     ckpt = Checkpoint(hf_dir)
     q_head = quantize == "int4" and (QUANTIZE_LM_HEAD_DEFAULT if quantize_lm_head is None else quantize_lm_head)
-    linears = Linears(ckpt, scheme, quantize == "int4", dt)
+    linears = Linears(ckpt, scheme, quantize == "int4", dt, cfg, mesh)
     params = loader(ckpt, cfg, linears, q_head)
     from checkpoints.hf_mtp import load_mtp  # the MTP head(s), which transformers drops (imports this module)
 

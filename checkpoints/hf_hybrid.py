@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from checkpoints.hf import FAMILY_LOADERS, Checkpoint, Linears, lm_head_weight
+from checkpoints.hf import FAMILY_LOADERS, Checkpoint, Linears, outer_params
 from jspec.config import ModelConfig
 from jspec.models.hybrid import FULL
 from pallas_kernels.int4 import Int4Weight
@@ -25,24 +25,11 @@ from pallas_kernels.int4 import Int4Weight
 
 def load_hybrid(ckpt: Checkpoint, cfg: ModelConfig, linears: Linears, quantize_lm_head: bool) -> dict:
     """qwen3_next / qwen3_5 tensors -> the params of jspec/models/hybrid.py."""
-    h = cfg.hidden_size
-    embed = ckpt.get("model.embed_tokens.weight", (cfg.vocab_size, h))
     layers = []
     for i, kind in enumerate(cfg.layer_types):
-        prefix = f"model.layers.{i}"
-        if kind == FULL:
-            layers.append(attention_layer_params(ckpt, cfg, linears, prefix))
-        else:
-            layers.append(linear_attention_layer_params(ckpt, cfg, linears, prefix))
-    params = dict(
-        embed=embed.astype(linears.dtype),
-        layers=layers,
-        final_norm=ckpt.get("model.norm.weight", (h,)).astype(linears.dtype),
-    )
-    lm_head = lm_head_weight(ckpt, cfg, linears, embed, quantize_lm_head)
-    if lm_head is not None:
-        params["lm_head"] = lm_head
-    return params
+        read = attention_layer_params if kind == FULL else linear_attention_layer_params
+        layers.append(linears.place(read(ckpt, cfg, linears, f"model.layers.{i}")))
+    return dict(outer_params(ckpt, cfg, linears, quantize_lm_head), layers=layers)
 
 
 def _norms_and_mlp(ckpt: Checkpoint, cfg: ModelConfig, linears: Linears, prefix: str) -> dict:

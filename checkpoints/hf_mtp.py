@@ -10,7 +10,8 @@ transformers' model classes drop these tensors, so `load_hf` reads them here fro
 The layer count comes from the config (num_nextn_predict_layers / mtp_num_hidden_layers); a checkpoint whose config
 lacks it but which carries the tensors (Qwen3-Next's config.json has no count) gets it from the tensor names. A
 config that declares MTP layers whose tensors were all stripped loads without MTP, with a warning. quantize="int4"
-(or a checkpoint's quantization_config) applies to fc and the decoder layer's linears as to the main model.
+(or a checkpoint's quantization_config) applies to fc and the decoder layer's linears as to the main model. On a mesh
+the MTP layers are placed together, after they are read (`Linears.place`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def load_mtp(ckpt: Checkpoint, cfg: ModelConfig, linears: Linears, params: dict)
     if not num_layers:
         return cfg, params
     load = _qwen3_next_layers if layout == "qwen3_next" else _deepseek_layers
-    return cfg, {**params, "mtp": load(ckpt, cfg, linears)}
+    return cfg, {**params, "mtp": linears.place(load(ckpt, cfg, linears))}
 
 
 def _count_layers(ckpt: Checkpoint, cfg: ModelConfig, layout: str) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 DENSE_FAMILIES = ("qwen2", "llama", "glm4")
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5")
 SUPPORTED_FAMILIES = DENSE_FAMILIES + HYBRID_FAMILIES
+TP_AXIS = "tp"  # the device mesh axis a tensor-parallel model's shards run over (jspec.tensor_parallel)
 
 # HF model_type -> jspec family.
 _MODEL_TYPES = {
@@ -82,6 +83,9 @@ class ModelConfig:
     # Multi-token-prediction head(s) shipped with the checkpoint: 0 when absent.
     num_mtp_layers: int = 0
     mtp_layout: str | None = None  # "qwen3_next" or "deepseek"
+    # n > 1: this config is one of n tensor-parallel shards (jspec.tensor_parallel.shard_config): its heads, KV heads,
+    # linear heads and intermediate size are the shard's; vocab_size stays the model's (embed / lm_head hold V / n).
+    tensor_parallel: int = 1
 
     @property
     def is_hybrid(self) -> bool:

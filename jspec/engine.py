@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec import checks
+from jspec import checks, tensor_parallel
 from jspec.accept import TieGuard
 from jspec.batch import empty_batch, fill_slot, run_batch_rounds
 from jspec.config import ModelConfig
@@ -110,6 +110,9 @@ class Engine:
       Prefill memory is the chunk's activations plus the cache, whatever T.
     batch_size: the sequence slots of `generate_batch` (each its own cache of max_len positions, allocated once
       per batch); `generate` runs one sequence whatever it is.
+    mesh: None, or a one-axis device mesh (`jax.make_mesh((n,), ("tp",))`): tensor parallelism over its n devices
+      (`jspec.tensor_parallel`; params unsharded, or stacked on that mesh by `checkpoints.load_hf(..., mesh=)`).
+      Every executable runs each device on its shard; memory is planned per device.
 
     Construction checks every argument and what a generation will allocate (`jspec.memory`: the loop state and a
     prefill chunk's activations against the free memory), before allocating or compiling anything.
@@ -125,6 +128,7 @@ class Engine:
         prepare: bool | None = None,
         prefill_chunk: int | None = None,
         batch_size: int = 1,
+        mesh=None,
     ):
         checks.instance(cfg, ModelConfig, "cfg", "a jspec.ModelConfig", optional=False)
         if not isinstance(params, dict) or "embed" not in params:
@@ -146,11 +150,22 @@ class Engine:
                 "embedding run at any position)",
                 stacklevel=2,
             )
+        self.mesh = mesh
+        self.shard_cfg = cfg  # the config each device runs: cfg, or on a mesh one shard's
+        if mesh is not None:
+            self.shard_cfg = tensor_parallel.shard_config(cfg, tensor_parallel.mesh_size(mesh))
+        stacked = tensor_parallel.is_stacked(params, mesh)
+        local = self._shard_shapes(params)
         backend = get_backend()
-        self.prepared = resolve_prepare(prepare, params, self.dtype, backend)
-        prep = ws_prep_nbytes(params) if backend == "pallas" else prepared_nbytes(params, self.dtype)
+        self.prepared = resolve_prepare(prepare, local, self.dtype, backend)
+        prep = ws_prep_nbytes(local) if backend == "pallas" else prepared_nbytes(local, self.dtype)
         self._check_memory(params, self.settings(), prepared_weights=prep if self.prepared else 0)
-        self.params = prepare_params(params, self.dtype, backend) if self.prepared else params
+        if mesh is not None and not stacked:
+            params = tensor_parallel.shard_params(params, cfg, mesh)
+        if self.prepared:
+            prepare_one = lambda p: prepare_params(p, self.dtype, backend)  # noqa: E731
+            params = prepare_one(params) if mesh is None else tensor_parallel.map_shards(prepare_one, params, mesh)
+        self.params = params
         self._drafter_weights: tuple = (None, None)  # (a drafter's weights, as prepared): the last one used
         self._executables: dict[tuple, jax.stages.Compiled] = {}
         self._memory_checked: set[LoopSettings] = set()
@@ -198,10 +213,10 @@ class Engine:
 
     def _check_memory(self, params, settings: LoopSettings, prepared_weights: int = 0, own=None) -> None:
         """Raise MemoryBudgetError if a generation with these settings, in every one of the batch_size slots,
-        would not fit (`jspec.memory`)."""
+        would not fit (`jspec.memory`; on a mesh, one device's shard)."""
         shapes = jax.eval_shape(
-            lambda p, o, *request: start_loop(p, self.cfg, settings, *request, own=o),
-            params,
+            lambda p, o, *request: start_loop(p, self.shard_cfg, settings, *request, own=o),
+            self._shard_shapes(params),
             own,
             *self._request_args(settings),
         )
@@ -210,7 +225,7 @@ class Engine:
         parts = {
             f"loop state (KV cache, token history, drafter) x {slots} slot(s)": slots * tree_bytes(shapes),
             f"a {self.prefill_chunk}-position prefill chunk": prefill_chunk_bytes(
-                self.cfg, self.prefill_chunk, self.dtype
+                self.shard_cfg, self.prefill_chunk, self.dtype
             ),
             "prepared int4 weights": prepared_weights,
         }
@@ -220,8 +235,20 @@ class Engine:
             f"lower max_len (about {per_position / 1024:.1f} KiB a position), batch_size or the prefill chunk",
         )
 
-    def _compile(self, key: tuple, fn, *args, donate: tuple[int, ...] = ()):
+    def _shard_shapes(self, params):
+        """params as each device holds them: themselves, or on a mesh one shard's shapes (computing nothing)."""
+        if self.mesh is None:
+            return params
+        return tensor_parallel.local_shapes(params, self.cfg, self.shard_cfg.tensor_parallel)
+
+    def _compile(self, key: tuple, fn, *args, donate: tuple[int, ...] = (), out=tensor_parallel.LOOP_SPECS):
+        """Compile fn(weights, *rest) once per key. On a mesh every device runs it on its shard: the weights'
+        params stacked, Loops and DecodeStates by `tensor_parallel.specs_of`; out: the result's specs."""
         if key not in self._executables:
+            if self.mesh is not None:
+                weights = (tensor_parallel.SHARDED, tensor_parallel.REPLICATED)
+                specs = (weights, *map(tensor_parallel.specs_of, args[1:]))
+                fn = tensor_parallel.on_mesh(fn, self.mesh, specs, out)
             lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
             self._executables[key] = lowered.compile(compiler_options=compiler_options())
             self.num_compiles += 1
@@ -247,7 +274,8 @@ class Engine:
         if self._drafter_weights[0] is not own:
             dtype, backend = jnp.dtype(own["embed"].dtype).name, get_backend()
             prepare = resolve_prepare(None if self.prepared else False, own, dtype, backend)
-            self._drafter_weights = (own, prepare_params(own, dtype, backend) if prepare else own)
+            mine = prepare_params(own, dtype, backend) if prepare else own
+            self._drafter_weights = (own, mine if self.mesh is None else tensor_parallel.replicate(mine, self.mesh))
         return self.params, self._drafter_weights[1]
 
     def _checked_weights(self, settings: LoopSettings) -> tuple:
@@ -261,7 +289,7 @@ class Engine:
     def _start_exec(self, settings: LoopSettings, weights: tuple):
         def run(weights, prompt, length, max_new, eos_ids, sampler=None):
             params, own = weights
-            return start_loop(params, self.cfg, settings, prompt, length, max_new, eos_ids, sampler, own)
+            return start_loop(params, self.shard_cfg, settings, prompt, length, max_new, eos_ids, sampler, own)
 
         return self._compile(("start", settings), run, weights, *self._request_args(settings))
 
@@ -272,7 +300,7 @@ class Engine:
         if kind == "first":
             return self._compile(
                 (kind, settings),
-                lambda weights, loop: first_round(weights[0], self.cfg, settings, loop, weights[1]),
+                lambda weights, loop: first_round(weights[0], self.shard_cfg, settings, loop, weights[1]),
                 weights,
                 loop_shape,
                 donate=(1,),
@@ -282,24 +310,25 @@ class Engine:
             params, own = weights
             if kind.startswith("prefill"):  # "prefill<size>": chunks of one shape
                 size = int(kind.removeprefix("prefill"))
-                return prefill_rounds(params, self.cfg, settings, loop, n, size, own)
-            return run_rounds(params, self.cfg, settings, loop, n, verify=kind == "verify", own=own)
+                return prefill_rounds(params, self.shard_cfg, settings, loop, n, size, own)
+            return run_rounds(params, self.shard_cfg, settings, loop, n, verify=kind == "verify", own=own)
 
         return self._compile((kind, settings), run, weights, loop_shape, counted, donate=(1,))
 
     def _device_exec(self, settings: LoopSettings, weights: tuple):
         def run(weights, prompt, length, max_new, eos_ids, sampler=None):
             params, own = weights
-            return generate_on_device(params, self.cfg, prompt, length, max_new, settings, eos_ids, sampler, own)
+            return generate_on_device(params, self.shard_cfg, prompt, length, max_new, settings, eos_ids, sampler, own)
 
-        return self._compile(("device", settings), run, weights, *self._request_args(settings))
+        args = (weights, *self._request_args(settings))
+        return self._compile(("device", settings), run, *args, out=tensor_parallel.REPLICATED)
 
     def _batch_execs(self, settings: LoopSettings, weights: tuple):
         """(empty slots, a request into one slot, up to N rounds of every slot) for batch_size slots."""
         b = self.batch_size
         empty = self._compile(
             ("batch-empty", settings, b),
-            lambda weights: empty_batch(weights[0], self.cfg, settings, b, weights[1]),
+            lambda weights: empty_batch(weights[0], self.shard_cfg, settings, b, weights[1]),
             weights,
         )
         shape = empty.out_info
@@ -307,17 +336,22 @@ class Engine:
 
         def fill(weights, batch, slot, prompt, length, max_new, eos_ids, sampler=None):
             params, own = weights
-            return fill_slot(params, self.cfg, settings, batch, slot, prompt, length, max_new, eos_ids, sampler, own)
+            return fill_slot(
+                params, self.shard_cfg, settings, batch, slot, prompt, length, max_new, eos_ids, sampler, own
+            )
 
         fill_exec = self._compile(
             ("batch-fill", settings, b), fill, weights, shape, scalar, *self._request_args(settings), donate=(1,)
         )
 
         def rounds(weights, batch, n, until_a_stop):
-            return run_batch_rounds(weights[0], self.cfg, settings, batch, n, until_a_stop, weights[1])
+            return run_batch_rounds(weights[0], self.shard_cfg, settings, batch, n, until_a_stop, weights[1])
 
         flag = jax.ShapeDtypeStruct((), jnp.bool_)
-        rounds_exec = self._compile(("batch-rounds", settings, b), rounds, weights, shape, scalar, flag, donate=(1,))
+        out = (tensor_parallel.LOOP_SPECS, tensor_parallel.REPLICATED)  # (the batch, its occupancy)
+        rounds_exec = self._compile(
+            ("batch-rounds", settings, b), rounds, weights, shape, scalar, flag, donate=(1,), out=out
+        )
         return empty, fill_exec, rounds_exec
 
     # ------------------------------------------------------------------------------------------------ generate

@@ -10,9 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import tensor_parallel
 from jspec.config import ModelConfig
 from jspec.state import init_state
 from jspec.steps import PREFILL_CHUNK, commit, decode_step, prefill, verify_step
+from jspec.tensor_parallel import REPLICATED, SHARDED, STATE_SPECS
 from pallas_kernels import ROW_TILE
 
 
@@ -22,34 +24,63 @@ def bits(a) -> np.ndarray:
     return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _decode_forced(params, cfg: ModelConfig, state, next_token):
-    state, logits = decode_step(params, cfg, state)
-    return commit(state, jnp.int32(0), next_token), logits
+def _on(mesh, fn, in_specs: tuple):
+    """fn(params, ...) -> (state, logits) itself, or on a mesh run by every device on its shard."""
+    return fn if mesh is None else tensor_parallel.on_mesh(fn, mesh, in_specs, (STATE_SPECS, REPLICATED))
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _verify(params, cfg: ModelConfig, state, draft):
-    return verify_step(params, cfg, state, draft)
+@functools.partial(jax.jit, static_argnums=(1, 3, 4, 5, 6))
+def _prefilled(params, cfg: ModelConfig, prompt, max_len: int, dtype, chunk: int, mesh):
+    def run(p, tokens):
+        return prefill(p, cfg, init_state(cfg, max_len, dtype), tokens, tokens.shape[0], chunk)
+
+    return _on(mesh, run, (SHARDED, REPLICATED))(params, prompt)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 4))
+def _decode_forced(params, cfg: ModelConfig, state, next_token, mesh):
+    def run(p, st, token):
+        st, logits = decode_step(p, cfg, st)
+        return commit(st, jnp.int32(0), token), logits
+
+    return _on(mesh, run, (SHARDED, STATE_SPECS, REPLICATED))(params, state, next_token)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 4))
+def _verify(params, cfg: ModelConfig, state, draft, mesh):
+    run = _on(mesh, lambda p, st, d: verify_step(p, cfg, st, d), (SHARDED, STATE_SPECS, REPLICATED))
+    return run(params, state, draft)
 
 
 def verify_rows_match_decode(
-    params: dict, cfg: ModelConfig, prompt, ks=range(1, ROW_TILE), *, max_len: int = 256, dtype=None, seed: int = 0
+    params: dict,
+    cfg: ModelConfig,
+    prompt,
+    ks=range(1, ROW_TILE),
+    *,
+    max_len: int = 256,
+    dtype=None,
+    seed: int = 0,
+    mesh=None,
 ) -> dict[int, list[int]]:
     """Prefill `prompt`, then for each k compare verify_step(k) rows with decode_step run position by position
-    over the same tokens (a random draft, committed by force on the decode side).
+    over the same tokens (a random draft, committed by force on the decode side). mesh: None, or a tensor-parallel
+    mesh (`jspec.tensor_parallel`; params unsharded or stacked on it): every step then runs on the mesh.
 
     Returns {k: [rows whose logits differ in any bit]} (all lists empty = exact).
     """
     dtype = jnp.dtype(dtype or params["embed"].dtype)
+    if mesh is not None:
+        if not tensor_parallel.is_stacked(params, mesh):
+            params = tensor_parallel.shard_params(params, cfg, mesh)
+        cfg = tensor_parallel.shard_config(cfg, tensor_parallel.mesh_size(mesh))
     prompt = np.asarray(prompt, np.int32)
-    state = init_state(cfg, max_len, dtype)
     chunk = min(PREFILL_CHUNK, -(-prompt.size // 16) * 16)  # the prompt in one chunk shape (one compile)
-    state, _ = jax.jit(prefill, static_argnums=(1, 5))(params, cfg, state, prompt, prompt.size, chunk)
+    state, _ = _prefilled(params, cfg, prompt, max_len, dtype, chunk, mesh)
     draft = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=ROW_TILE).astype(np.int32)
-    step = functools.partial(_decode_forced, params, cfg)
+    step = lambda st, token: _decode_forced(params, cfg, st, token, mesh)  # noqa: E731
     decode_logits = forced_decode_logits(step, state, draft[: max(ks) + 1])
-    return {k: mismatched_rows(_verify(params, cfg, state, draft[:k])[1], decode_logits) for k in ks}
+    return {k: mismatched_rows(_verify(params, cfg, state, draft[:k], mesh)[1], decode_logits) for k in ks}
 
 
 def forced_decode_logits(step, state, tokens) -> list[np.ndarray]:

@@ -56,10 +56,13 @@ def checkpoints_package() -> ModuleType:
     return module
 
 
-def load_hf(hf_dir, dtype: str = "float32", quantize: str | None = None, quantize_lm_head: bool | None = None):
+def load_hf(
+    hf_dir, dtype: str = "float32", quantize: str | None = None, quantize_lm_head: bool | None = None, mesh=None
+):
     """Import a HuggingFace checkpoint directory -> (params, cfg): `checkpoints.load_hf` (its docstring has the
-    details: safetensors only, dense and GPTQ / AWQ / compressed-tensors int4, MTP heads)."""
-    return checkpoints_package().load_hf(hf_dir, dtype=dtype, quantize=quantize, quantize_lm_head=quantize_lm_head)
+    details: safetensors only, dense and GPTQ / AWQ / compressed-tensors int4, MTP heads; mesh: tensor parallel)."""
+    ckpt = checkpoints_package()
+    return ckpt.load_hf(hf_dir, dtype=dtype, quantize=quantize, quantize_lm_head=quantize_lm_head, mesh=mesh)
 
 
 def save(out_dir, params: dict, cfg: ModelConfig) -> None:

@@ -16,7 +16,16 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config import ModelConfig
-from jspec.models.layers import FORWARD, PREFILL, Run, apply_rope, rms_norm, swiglu_mlp
+from jspec.models.layers import (
+    FORWARD,
+    PREFILL,
+    Run,
+    apply_rope,
+    embed_tokens,
+    rms_norm,
+    row_parallel_linear,
+    swiglu_mlp,
+)
 from pallas_kernels import attention, chunk_attention, linear
 
 
@@ -73,7 +82,7 @@ def write_rows(cache: jax.Array, rows: jax.Array, start) -> jax.Array:
 def layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache, run: Run):
     """One decoder layer on the residual stream x [T, H] (see `cached_attention` for cache and run)."""
     h, cache = attend(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), positions, cache, run)
-    out = linear(h, p["o"], p.get("o_bias"))
+    out = row_parallel_linear(h, p["o"], p.get("o_bias"), cfg)
     if cfg.post_norms:
         out = rms_norm(out, p["post_self_attn_norm"], cfg.rms_norm_eps)
     x = x + out
@@ -89,7 +98,7 @@ attention_layer = layer  # the family's attention decoder layer (used by the MTP
 def _layers(params: dict, cfg: ModelConfig, tokens: jax.Array, cache, run: Run):
     """Embed tokens [T] at run.positions(T), every layer, final norm -> (hidden [T, H], cache)."""
     positions = run.positions(tokens.shape[0])
-    x = params["embed"][tokens]
+    x = embed_tokens(params, cfg, tokens)
     new_cache = []
     for i, p in enumerate(params["layers"]):
         x, layer_cache = layer(p, cfg, x, positions, None if cache is None else cache[i], run)

@@ -25,7 +25,17 @@ import jax.numpy as jnp
 
 from jspec.config import ModelConfig
 from jspec.models.dense import cached_attention, kv_cache
-from jspec.models.layers import FORWARD, PREFILL, STEP, Run, apply_rope, rms_norm, swiglu_mlp
+from jspec.models.layers import (
+    FORWARD,
+    PREFILL,
+    STEP,
+    Run,
+    apply_rope,
+    embed_tokens,
+    rms_norm,
+    row_parallel_linear,
+    swiglu_mlp,
+)
 from pallas_kernels import ROW_TILE, linear
 from pallas_kernels.recurrent import causal_conv, chunk_gated_delta, conv_window, gdn_rows, l2_normalize
 
@@ -72,7 +82,7 @@ def attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Arra
     k = apply_rope(_norm(k.reshape(t, hkv, d), p["k_norm"], cfg), positions, cfg)
     out, cache = cached_attention(cfg, q, k, v.reshape(t, hkv, d), cache, run)
     out = out.reshape(t, cfg.q_size) * jax.nn.sigmoid(gate.reshape(t, cfg.q_size))
-    return _mlp_block(p, cfg, x + linear(out, p["o"], p.get("o_bias"))), cache
+    return _mlp_block(p, cfg, x + row_parallel_linear(out, p["o"], p.get("o_bias"), cfg)), cache
 
 
 def _gated_norm(x: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -127,7 +137,7 @@ def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, run: Run):
             window = conv_window(seq, run.n_valid, width)
             cache = dict(conv=cache["conv"].at[0].set(window), ssm=cache["ssm"].at[0].set(state))
     out = _gated_norm(out.astype(dtype), z.reshape(t, nv, dv), p["gdn_norm"], cfg.rms_norm_eps)
-    return linear(out.reshape(t, value_dim), p["out"]), cache
+    return row_parallel_linear(out.reshape(t, value_dim), p["out"], None, cfg), cache
 
 
 def linear_attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, cache, run: Run):
@@ -139,7 +149,7 @@ def linear_attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, cache, run: 
 def _layers(params: dict, cfg: ModelConfig, tokens: jax.Array, cache, run: Run):
     """Embed tokens [T] at run.positions(T), every layer, final norm -> (hidden [T, H], cache)."""
     positions = run.positions(tokens.shape[0])
-    x = params["embed"][tokens]
+    x = embed_tokens(params, cfg, tokens)
     new_cache = []
     for i, (kind, p) in enumerate(zip(cfg.layer_types, params["layers"], strict=True)):
         layer_cache = None if cache is None else cache[i]

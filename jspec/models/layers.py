@@ -1,5 +1,6 @@
 """Building blocks shared by the model families: how a pass meets the cache (`Run`), RMSNorm, rotary embedding,
-SwiGLU, logits."""
+SwiGLU, logits, and the embedding and row-parallel products that meet the other shards of a tensor-parallel model
+(cfg.tensor_parallel > 1, inside `jax.shard_map` over the mesh axis TP_AXIS: jspec.tensor_parallel)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.config import ModelConfig, RopeConfig
+from jspec.config import TP_AXIS, ModelConfig, RopeConfig
 from pallas_kernels import linear
 
 FORWARD, PREFILL, STEP = "forward", "prefill", "step"
@@ -108,10 +109,37 @@ def swiglu_mlp(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """down(silu(gate(x)) * up(x)) with the fused gate_up weight [H, 2I] ([gate | up] along N)."""
     gate_up = linear(x, p["gate_up"], p.get("gate_up_bias"))
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    return linear(jax.nn.silu(gate) * up, p["down"], p.get("down_bias"))
+    return row_parallel_linear(jax.nn.silu(gate) * up, p["down"], p.get("down_bias"), cfg)
+
+
+def row_parallel_linear(x: jax.Array, w, bias: jax.Array | None, cfg: ModelConfig) -> jax.Array:
+    """`linear` of a row-parallel weight (o, down, Gated DeltaNet's out) -> [M, N] in x.dtype. Tensor parallel: x
+    [M, K / n] @ the shard's K rows, the float32 partial products summed over the shards (one all-reduce, on the
+    same row-tile shape in decode and verify), then the bias added in float32 and one cast, as `linear` does."""
+    if cfg.tensor_parallel == 1:
+        return linear(x, w, bias)
+    y = jax.lax.psum(linear(x, w, out_dtype=jnp.float32), TP_AXIS)
+    return (y if bias is None else y + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def embed_tokens(params: dict, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """tokens int32 [T] -> their embedding rows [T, H]. Tensor parallel: each shard holds vocab_size / n rows of
+    the table; the shard holding a token gives its row, the others -0.0 (x + -0.0 == x bit for bit, also for
+    x = +-0), summed by one all-reduce: the very rows of the whole table."""
+    table = params["embed"]
+    if cfg.tensor_parallel == 1:
+        return table[tokens]
+    rows = table.shape[0]
+    local = tokens - jax.lax.axis_index(TP_AXIS) * rows
+    mine = (local >= 0) & (local < rows)
+    found = table[jnp.clip(local, 0, rows - 1)]
+    return jax.lax.psum(jnp.where(mine[:, None], found, jnp.asarray(-0.0, table.dtype)), TP_AXIS)
 
 
 def logits(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Final-normed hidden x [T, H] -> float32 logits [T, vocab] (lm_head, or the tied embedding)."""
+    """Final-normed hidden x [T, H] -> float32 logits [T, vocab] (lm_head, or the tied embedding). Tensor parallel:
+    each shard's [T, vocab / n] columns, gathered in shard order into the whole row (data movement, no arithmetic),
+    so the argmax and the sampler see global vocabulary indices."""
     head = params.get("lm_head")
-    return linear(x, params["embed"].T if head is None else head, out_dtype=jnp.float32)
+    out = linear(x, params["embed"].T if head is None else head, out_dtype=jnp.float32)
+    return out if cfg.tensor_parallel == 1 else jax.lax.all_gather(out, TP_AXIS, axis=1, tiled=True)

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 from jspec.config import ModelConfig
 from jspec.models import family_module
-from jspec.models.layers import Run, rms_norm
+from jspec.models.layers import Run, embed_tokens, rms_norm
 from jspec.models.layers import logits as logits_from_hidden
 from pallas_kernels import linear
 
@@ -62,7 +62,7 @@ def mtp_layer(params: dict, cfg: ModelConfig, hidden, tokens, cache, run: Run, l
     if not 0 <= layer_index < len(heads):
         raise ValueError(f"MTP layer {layer_index} requested but params carry {len(heads)} MTP layer(s)")
     p = heads[layer_index]
-    embedded = _norm(params["embed"][tokens].astype(hidden.dtype), p["embed_norm"], cfg)
+    embedded = _norm(embed_tokens(params, cfg, tokens).astype(hidden.dtype), p["embed_norm"], cfg)
     x = linear(jnp.concatenate([embedded, _norm(hidden, p["hidden_norm"], cfg)], axis=-1), p["fc"])
     x, cache = family_module(cfg).attention_layer(p["layer"], cfg, x, run.positions(x.shape[0]), cache, run)
     normed = _norm(x, p["final_norm"], cfg)
