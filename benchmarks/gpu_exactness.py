@@ -20,9 +20,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
-from benchmarks.hybrid_bench import make_config, make_params  # noqa: E402
+from jspec.config import ModelConfig, RopeConfig  # noqa: E402
 from jspec.exactness import verify_rows_match_decode  # noqa: E402
-from jspec.models import dense, quantize_linears  # noqa: E402
+from jspec.models import dense, hybrid, quantize_linears  # noqa: E402
+from jspec.models.mtp import init_mtp_params  # noqa: E402
 from jspec_bench.shapes import scale_attention_output  # noqa: E402
 from pallas_kernels import get_backend  # noqa: E402
 from pallas_kernels.prepare import prepare_params, resolve_prepare  # noqa: E402
@@ -31,28 +32,34 @@ SAMPLER = jspec.Sampler(temperature=0.3, top_p=0.95, seed=7)
 
 
 def hybrid_model(weights: str, small: bool, vocab: int | None = None):
-    """Qwen3-Next layout (hybrid_bench.make_config: 3 Gated DeltaNet : 1 gated attention, head_dim 256 unless
-    small) with one MTP layer, random weights; `vocab` overrides the vocabulary size."""
+    """Qwen3-Next layout (3 Gated DeltaNet : 1 gated attention, head_dim 256 unless small) with one MTP layer,
+    random weights (int4 linears, lm_head included, with weights="int4"); `vocab` overrides the vocabulary size."""
     h, head_dim, inter, vocab_size, linear_dim = (128, 32, 256, 512, 64) if small else (1024, 256, 2816, 32000, 128)
-    vocab = vocab or vocab_size
-    cfg = make_config(
-        dict(
-            vocab_size=vocab,
-            hidden_size=h,
-            intermediate_size=inter,
-            num_layers=4,
-            num_heads=8,
-            num_kv_heads=2,
-            head_dim=head_dim,
-            linear_num_key_heads=4,
-            linear_num_value_heads=8,
-            linear_key_head_dim=linear_dim,
-            linear_value_head_dim=linear_dim,
-        ),  # fmt: skip
-        rope_theta=jspec.RopeConfig().theta,
+    cfg = ModelConfig(
+        family="qwen3_next",
+        vocab_size=vocab or vocab_size,
+        hidden_size=h,
+        intermediate_size=inter,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=linear_dim,
+        linear_value_head_dim=linear_dim,
+        rope=RopeConfig(theta=RopeConfig().theta, partial_rotary_factor=0.25),
+        layer_types=("linear_attention",) * 3 + ("full_attention",),
+        attn_output_gate=True,
+        norm_plus_one=True,
+        linear_conv_kernel_dim=4,
+        num_mtp_layers=1,
+        mtp_layout="qwen3_next",
     )
     dtype = jnp.float32 if weights == "float32" else jnp.bfloat16
-    return cfg, make_params(cfg, dtype, int4=weights == "int4")
+    params = hybrid.init_params(cfg, jax.random.PRNGKey(0), dtype)
+    params["mtp"] = init_mtp_params(cfg, jax.random.PRNGKey(1), dtype, cfg.num_mtp_layers)
+    return cfg, quantize_linears(params) if weights == "int4" else params
 
 
 def model(family: str, weights: str, small: bool, vocab: int | None = None):

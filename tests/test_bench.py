@@ -99,13 +99,20 @@ def test_quick_peer_targets_plots_and_table(quick, capsys):
         assert v["greedy_tok_s"] > 0 and v["lookup_tok_s"] > 0 and isinstance(v["lookup_equals_greedy"], bool)
         assert isinstance(v["greedy_static_equals_dynamic"], bool)
     targets = {t["name"]: t for t in data["targets"]}
-    assert len(targets) == 12 and all(t["met"] is None for t in targets.values())  # a quick run claims nothing
+    assert len(targets) == 15 and all(t["met"] is None for t in targets.values())  # a quick run claims nothing
     sampler = targets["the sampler costs < 3% of a decode step (llama-3-8b)"]
     assert sampler["value"] is not None  # the costliest processor's share of the decode step
     assert data["sections"]["sampling"]["rows"] == {"decode": 1, "verify": 8}  # k + 1 rows in a verify
     batch = data["sections"]["batch"]
     assert all(r["identical"] for r in batch["greedy"].values()) and batch["greedy"]["4"]["vs_b1"] > 0
     assert all(r["identical"] and r["lookup"]["mean_accepted"] > 1 for r in batch["lookup"].values())
+    hybrid = data["sections"]["hybrid"]
+    model = hybrid["models"]["qwen3.5"]
+    assert model["status"] == "done" and model["verify"]["3"]["bitwise_equal_decode"]
+    assert model["recurrent"]["rows_bit_identical"] and model["recurrent"]["fixed_s"] is not None
+    e2e = hybrid["e2e"]
+    assert e2e["status"] == "done" and e2e["lookup k=3"]["mean_accepted"] > 1
+    assert all(e2e[label]["identical"] for label in ("lookup k=3", "mtp k=3"))
     assert targets["zero recompiles after warm-up (e2e engines)"]["value"] == 0
     assert all("not evaluated" in t["detail"] for t in targets.values())
     assert sorted(data["plots"]) == sorted(str(out / "plots" / f) for f in ("roofline.png", "speedup.png"))

@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
         opts = dataclasses.replace(
             opts,
             quick=True,
-            models=("llama-3-8b", "glm-4-9b"),
+            models=("llama-3-8b", "glm-4-9b", "qwen3.5"),
             out=os.path.join(tempfile.gettempdir(), "jspec_bench_quick.json"),
             ks=(3,),
             other_ks=(3,),

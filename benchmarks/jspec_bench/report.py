@@ -42,6 +42,9 @@ TARGETS = {  # docs/performance.md, "Targets"
     "sampler_over_decode_step": 0.03,
     "batch16_over_b1": 12.0,
     "batch64_over_b1": 35.0,
+    "hybrid_decode_roofline": 0.45,
+    "hybrid_verify3_over_decode": 1.05,
+    "recurrent_fixed_s": 10e-6,
 }
 
 

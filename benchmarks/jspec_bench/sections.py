@@ -21,6 +21,8 @@ starts (and before each model or sub-step), and whatever is skipped is recorded 
                Llama-3.2-1B-shaped drafter against a decode step (the break-even mean_accepted), tokens compared.
   batch        Engine.generate_batch (jspec_bench.batch): greedy decode tok/s at batch sizes 1, 4, 16, 64 and
                prompt lookup at 4 and 8 (k = 3, 7) on echo prompts, every sequence compared with its own run.
+  hybrid       Qwen3.5-style hybrids at full depth (jspec_bench.hybrid): decode and verify (k = 1, 2, 3), the
+               recurrent kernel's fixed cost, and on the on-device loop greedy, prompt lookup and MTP, tokens compared.
 A section is a function `section(ctx: Context, sec: dict)` that fills `sec`, its dict in the results JSON; adding one
 is one line in `REGISTRY`, which `--sections` (its choices and default order) and `main` read."""
 
@@ -32,6 +34,7 @@ from typing import NamedTuple
 from jspec_bench.batch import section_batch
 from jspec_bench.draft_model import section_draft_model
 from jspec_bench.e2e import section_e2e
+from jspec_bench.hybrid import section_hybrid
 from jspec_bench.peer import section_peer
 from jspec_bench.prefill import section_prefill
 from jspec_bench.report import Context
@@ -55,6 +58,7 @@ REGISTRY: dict[str, Section] = {  # in priority order
     "sampling": Section(section_sampling, 30.0),
     "draft_model": Section(section_draft_model, 30.0),
     "batch": Section(section_batch, 60.0),
+    "hybrid": Section(section_hybrid, 120.0),
 }
 SECTIONS = tuple(REGISTRY)
 SECTION_FUNCS = {name: s.run for name, s in REGISTRY.items()}

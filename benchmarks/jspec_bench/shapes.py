@@ -1,5 +1,5 @@
 """The model shapes the bench times and the random models it builds at them. Weights are random (no downloads):
-`jspec.models.dense.init_params` in bf16, every linear weight (and by default the lm_head) quantized to int4 on the
+the family's `init_params` in bf16, every linear weight (and by default the lm_head) quantized to int4 on the
 device with `pallas_kernels.quantize`. Values do not change the cost of a step. For the end-to-end section the
 attention output projection is scaled by `--o-factor` (default 0: zeroed, `scale_attention_output`), which makes the
 random model Markov: its next token is a function of the last token, so an echo prompt makes it repeat its own
@@ -10,13 +10,15 @@ attention kernel fully. Also here: the bytes a step reads (`step_bytes`) and a r
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jspec.config import ModelConfig
-from jspec.models import dense, quantize_linears
+from jspec.models import family_module, quantize_linears
+from jspec.models.mtp import init_mtp_params
 from jspec.state import init_state, physical_length
 from pallas_kernels import Int4Codes, Int4Halves, Int4Weight, quantize
 
@@ -91,21 +93,73 @@ SHAPES: dict[str, dict] = {
         max_position_embeddings=131072,
         tie_word_embeddings=True,
     ),
+    "qwen3.5": dict(  # transformers' Qwen3_5TextConfig() defaults (the Qwen3.5 text shape, 3 Gated DeltaNet : 1
+        # gated attention), with one MTP layer
+        model_type="qwen3_5_text",
+        vocab_size=248320,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+        rope_theta=10000000.0,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        mtp_num_hidden_layers=1,
+    ),
+    "hybrid-27b": dict(  # a 27B-class Qwen3.5-style hybrid typed in here (no published config copied): hidden 5120,
+        # 64 layers 3:1, 24 query / 4 KV heads of 256, 16 key / 48 value linear heads of 128; 26.9B parameters
+        model_type="qwen3_5_text",
+        vocab_size=248320,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+        rope_theta=10000000.0,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        mtp_num_hidden_layers=1,
+    ),
 }
 # Quick mode (CPU, CI): every shape shrunk to this size, family features (bias, rope layout, post norms) kept.
 TINY = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
 TINY_HEADS = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+TINY_HYBRID = dict(  # a hybrid shrunk: one 3:1 group of layers, small linear heads
+    num_hidden_layers=4,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
 
 STEP_MODELS = ("qwen2.5-14b", "llama-3-8b")
 OTHER_MODELS = ("qwen2.5-7b", "glm-4-9b", "demo")
-ALL_MODELS = STEP_MODELS + OTHER_MODELS
+HYBRID_MODELS = ("qwen3.5", "hybrid-27b")
+ALL_MODELS = STEP_MODELS + OTHER_MODELS + HYBRID_MODELS
 
 
 def hf_config_dict(name: str, quick: bool) -> dict:
     """The typed-in HF config of a bench shape (quick: shrunk to TINY, family features kept)."""
     hf = dict(SHAPES[name])
     if quick:
-        hf.update(TINY, **TINY_HEADS)
+        hf.update(TINY, **TINY_HEADS, **(TINY_HYBRID if "linear_num_key_heads" in hf else {}))
     return hf
 
 
@@ -114,46 +168,55 @@ def model_config(name: str, quick: bool) -> ModelConfig:
 
 
 def random_int4_params(cfg: ModelConfig, seed: int, lm_head_int4: bool) -> dict:
-    """Random params on the device: `dense.init_params` (bf16, scale 0.02) with every linear weight (and the lm_head
-    when lm_head_int4) quantized to int4 by `pallas_kernels.quantize`.
+    """Random params on the device: the family's `init_params` (bf16, scale 0.02) with every linear weight (and the
+    lm_head when lm_head_int4) quantized to int4 by `pallas_kernels.quantize`; a config with MTP layers gets a
+    random MTP head (`init_mtp_params`, int4 linears) too.
 
-    Built one layer at a time by two jitted functions (a 1-layer config with a 32-token vocab for the layers, a
-    0-layer config for embed / final_norm / lm_head), so only one layer's dense weights exist at a time and the
-    compiles do not grow with the depth."""
+    Built one layer at a time by jitted functions (a 1-layer config with a 32-token vocab per layer type, a 0-layer
+    config for embed / final_norm / lm_head), so only one layer's dense weights exist at a time and the compiles do
+    not grow with the depth."""
     key = jax.random.PRNGKey(seed)
-    one_layer = dataclasses.replace(cfg, num_layers=1, vocab_size=32)
-    no_layers = dataclasses.replace(cfg, num_layers=0)
+    init = family_module(cfg).init_params
+    no_layers = dataclasses.replace(cfg, num_layers=0, layer_types=(), num_mtp_layers=0)
 
-    @jax.jit
-    def layer(key):
-        p = dense.init_params(one_layer, key, jnp.bfloat16, scale=0.02)["layers"][0]
-        return quantize_linears(p)
+    @functools.cache
+    def layer_fn(kind: str | None):
+        one = dataclasses.replace(
+            cfg, num_layers=1, vocab_size=32, layer_types=(kind,) if kind else (), num_mtp_layers=0
+        )
+        return jax.jit(lambda key: quantize_linears(init(one, key, jnp.bfloat16, scale=0.02)["layers"][0]))
 
     @jax.jit
     def outer(key):
-        p = dense.init_params(no_layers, key, jnp.bfloat16, scale=0.02)
+        p = init(no_layers, key, jnp.bfloat16, scale=0.02)
         if lm_head_int4 and "lm_head" in p:
             p["lm_head"] = quantize(p["lm_head"])
         return p
 
     params = outer(jax.random.fold_in(key, cfg.num_layers))
-    params["layers"] = [layer(jax.random.fold_in(key, i)) for i in range(cfg.num_layers)]
+    kinds = cfg.layer_types or (None,) * cfg.num_layers
+    params["layers"] = [layer_fn(kind)(jax.random.fold_in(key, i)) for i, kind in enumerate(kinds)]
+    if cfg.num_mtp_layers:
+        mtp = jax.jit(lambda k: quantize_linears(init_mtp_params(cfg, k, jnp.bfloat16, cfg.num_mtp_layers)))
+        params["mtp"] = mtp(jax.random.fold_in(key, cfg.num_layers + 1))
     return jax.block_until_ready(params)
 
 
 def scale_attention_output(params: dict, factor: float) -> dict:
-    """Dense params whose attention sub-block adds `factor` times its output to the residual stream (factor 0: the
-    model is a Markov chain over tokens). Every leaf is shared but the scaled one per layer: the o projection (an
-    int4 weight's scales), or, where a post-attention norm follows it (glm4), that norm's weight: the norm would
-    undo a scaled o."""
+    """Params whose token-mixing sub-blocks (attention; a hybrid's Gated DeltaNet too) add `factor` times their output
+    to the residual stream (factor 0: the model is a Markov chain over tokens). Every leaf is shared but the scaled
+    one per layer: the output projection, o or out (an int4 weight's scales), or, where a post-attention norm
+    follows it (glm4), that norm's weight: the norm would undo a scaled o."""
 
     def scaled(w):
         if isinstance(w, Int4Weight):
             return dataclasses.replace(w, scales=(w.scales.astype(jnp.float32) * factor).astype(jnp.bfloat16))
         return (w.astype(jnp.float32) * factor).astype(w.dtype)
 
-    key = "post_self_attn_norm" if "post_self_attn_norm" in params["layers"][0] else "o"
-    layers = [dict(layer, **{key: scaled(layer[key])}) for layer in params["layers"]]
+    def output_of(layer: dict) -> str:
+        return next(key for key in ("post_self_attn_norm", "o", "out") if key in layer)
+
+    layers = [dict(layer, **{output_of(layer): scaled(layer[output_of(layer)])}) for layer in params["layers"]]
     return dict(params, layers=layers)
 
 

@@ -127,6 +127,7 @@ def evaluate_targets(data: dict) -> list[dict]:
             else f"{r['decode_tok_s']:.0f} tok/s decode, {r['ms_per_round']:.2f} ms a round; alone in the engine "
             f"identical: {r['identical']}",
         )
+    _hybrid_targets(secs.get("hybrid", {}).get("models", {}), add)
     recompiles = e2e.get("compiles_after_warmup")
     add(
         "zero recompiles after warm-up (e2e engines)",
@@ -136,6 +137,44 @@ def evaluate_targets(data: dict) -> list[dict]:
         f"executables per engine: {e2e.get('num_compiles')}" if recompiles is not None else "not measured",
     )
     return out
+
+
+def _hybrid_targets(models: dict, add) -> None:
+    """The hybrid section's three targets, each at the worst of the models it measured (named in the detail)."""
+    done = {name: m for name, m in models.items() if m.get("status") == "done"}
+    decode = {n: m["decode"].get("roofline_fraction") for n, m in done.items() if "decode" in m}
+    decode = {n: f for n, f in decode.items() if f is not None}
+    worst = min(decode, key=decode.get) if decode else None
+    add(
+        "hybrid decode >= 45% of the roofline (full depth)",
+        TARGETS["hybrid_decode_roofline"],
+        decode.get(worst),
+        None if worst is None else decode[worst] >= TARGETS["hybrid_decode_roofline"],
+        "not measured" if worst is None else f"{worst}: {done[worst]['decode']['time_s'] * 1e3:.3f} ms a step",
+    )
+    ratios = {n: m["verify"]["3"] for n, m in done.items() if "3" in m.get("verify", {})}
+    worst = max(ratios, key=lambda n: ratios[n]["ratio_vs_decode"]) if ratios else None
+    v = ratios.get(worst, {})
+    add(
+        "hybrid verify(k=3) <= 1.05x decode, bit-exact",
+        TARGETS["hybrid_verify3_over_decode"],
+        v.get("ratio_vs_decode"),
+        None
+        if worst is None
+        else bool(v["ratio_vs_decode"] <= TARGETS["hybrid_verify3_over_decode"] and v["bitwise_equal_decode"]),
+        "not measured"
+        if worst is None
+        else f"{worst}: bitwise {'equal' if v['bitwise_equal_decode'] else 'DIFFERENT'}",
+    )
+    fixed = {n: m["recurrent"]["fixed_s"] for n, m in done.items() if "recurrent" in m}
+    worst = max(fixed, key=fixed.get) if fixed else None
+    add(
+        "recurrent kernel fixed cost per call < 10 us",
+        TARGETS["recurrent_fixed_s"],
+        fixed.get(worst),
+        None if worst is None else fixed[worst] < TARGETS["recurrent_fixed_s"],
+        "not measured" if worst is None else f"{worst}: {done[worst]['recurrent']['source']}",
+    )
 
 
 def _at_mean_accepted(variants: dict, label: str, target: float):

@@ -1,0 +1,201 @@
+"""The `hybrid` section: Qwen3.5-style hybrids (3 Gated DeltaNet : 1 gated attention layers, one MTP layer) at full
+depth, random int4 weights (`shapes.HYBRID_MODELS`: transformers' Qwen3.5 text shape, 9.0B parameters, and a typed-in
+27B-class shape, 26.9B; the configs are in the JSON).
+
+1. Steps, each model in --models: decode_step and verify_step(k), k = 1, 2, 3, at --context (`steps.measure_steps`:
+   time, bytes, % of the roofline, verify / decode, GPU kernel groups, verify rows == decode rows bitwise).
+2. The recurrent kernel alone (`pallas_kernels.recurrent.gdn_rows`) on one layer's candidate states: time per call
+   at 1 .. 4 rows (GPU kernel time on the GPU, else the wall of chained calls), its fixed cost (the intercept of a
+   line through those times) and the state bytes it reads per row.
+3. End to end on the on-device loop, the last model measured: greedy, prompt lookup (k = 3) on an echo prompt, and
+   the random MTP head drafting k = 1, 2, 3 (its acceptance says nothing, its cost does), decode tok/s as (n minus
+   1) new tokens over the wall of n minus that of 1; tokens against greedy (an identity check); an MTP round's cost
+   (head + verify) against a decode step. The token mixers' outputs are scaled as in e2e (--o-factor), so the
+   random model follows the echo.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.drafters import MTPDrafter, PromptLookup
+from jspec.engine import Engine
+from jspec.exactness import bits
+from jspec_bench.e2e import echo_prompt, random_filler
+from jspec_bench.report import Context, _error_text
+from jspec_bench.shapes import HYBRID_MODELS, scale_attention_output
+from jspec_bench.steps import _load_model, measure_steps
+from jspec_bench.timing import kernel_times, profile
+from pallas_kernels import ROW_TILE
+from pallas_kernels.recurrent import gdn_rows, l2_normalize
+
+KS = (1, 2, 3)  # verify draft lengths and MTP k (the workload's drafts are short)
+LOOKUP_K = 3
+
+
+def section_hybrid(ctx: Context, sec: dict) -> None:
+    names = [n for n in HYBRID_MODELS if n in ctx.opts.models]
+    ks = (LOOKUP_K,) if ctx.opts.quick else KS  # quick: one verify and one MTP engine (compiles dominate on a CPU)
+    sec["ks"] = list(ks)
+    models = sec.setdefault("models", {})
+    last = None
+    for name in names:
+        why = ctx.budget.why_not(10.0 if ctx.opts.quick else 120.0, f"{name} hybrid steps")
+        if why:
+            models[name] = {"status": "skipped", "reason": why}
+            continue
+        entry = models[name] = {"status": "running"}
+        try:
+            params, cfg, info = _load_model(ctx, name)
+            entry.update(info)
+            measure_steps(ctx, name, params, cfg, ks, entry)
+            ctx.report.save()
+            entry["recurrent"] = recurrent_cost(cfg, 3 if ctx.opts.quick else 50)
+            print(f"  {name} recurrent kernel: {_recurrent_line(entry['recurrent'])}", flush=True)
+            entry["status"] = "done"
+            last = (name, params, cfg)
+        except Exception as e:
+            entry.update(status="error", error=_error_text(e))
+            ctx.report.errors += 1
+            print(f"  {name}: ERROR {e!r}", flush=True)
+        finally:
+            params = None
+            gc.collect()
+        ctx.report.save()
+    if last is None:
+        return
+    why = ctx.budget.why_not(10.0 if ctx.opts.quick else 150.0, "hybrid end to end")
+    if why:
+        sec["e2e"] = {"status": "skipped", "reason": why}
+        return
+    sec["e2e"] = {"model": last[0], "status": "running"}
+    end_to_end(ctx, sec["e2e"], *last, ks)
+    last = None
+    gc.collect()
+
+
+def recurrent_cost(cfg, calls: int) -> dict:
+    """`gdn_rows` alone on one layer's ROW_TILE candidate states: seconds per call at 1 .. 4 rows, the fixed cost
+    (intercept of the least-squares line over rows), state bytes per row, and row invariance (one call over 4 rows
+    == 4 chained one-row calls, bits)."""
+    rng = np.random.default_rng(0)
+    h, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    states = jnp.asarray(rng.normal(size=(ROW_TILE, h, dk, dv)).astype(np.float32))
+    q = l2_normalize(jnp.asarray(rng.normal(size=(ROW_TILE, h, dk)).astype(np.float32))) * dk**-0.5
+    k = l2_normalize(jnp.asarray(rng.normal(size=(ROW_TILE, h, dk)).astype(np.float32)))
+    v = jnp.asarray(rng.normal(size=(ROW_TILE, h, dv)).astype(np.float32))
+    g = -jnp.asarray(rng.uniform(0, 0.5, (ROW_TILE, h)).astype(np.float32))
+    beta = jnp.asarray(rng.uniform(0, 1, (ROW_TILE, h)).astype(np.float32))
+    slot = jnp.zeros((), jnp.int32)  # a traced argument, as DecodeState.slot in the steps
+    fns = {rows: jax.jit(functools.partial(gdn_rows, rows=rows)) for rows in (1, 2, 3, 4)}
+    out = {"state_bytes_per_row": int(states[0].nbytes), "seconds": {}, "source": "wall of chained calls"}
+    on_gpu = jax.default_backend() == "gpu"
+    for rows, fn in fns.items():
+        jax.block_until_ready(fn(states, slot, q, k, v, g, beta))
+        if on_gpu:
+            run = functools.partial(fn, states, slot, q, k, v, g, beta)
+            us = [kernel_times(profile(lambda r=run: jax.block_until_ready(r())), 1)["kernel_us"] for _ in range(3)]
+            out["seconds"][str(rows)] = 1e-6 * min(us)
+            out["source"] = "GPU kernel time (XLA profiler), best of 3"
+        else:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                res = fn(states, slot, q, k, v, g, beta)
+            jax.block_until_ready(res)
+            out["seconds"][str(rows)] = (time.perf_counter() - t0) / calls
+    rows = np.arange(1, 5)
+    slope, intercept = np.polyfit(rows, [out["seconds"][str(r)] for r in rows], 1)
+    out.update(fixed_s=float(intercept), per_row_s=float(slope))
+    out["per_row_Bps"] = out["state_bytes_per_row"] / slope if slope > 0 else None
+    all_states, all_out = fns[4](states, slot, q, k, v, g, beta)
+    s, same = states, True
+    for i in range(4):
+        s, o = fns[1](s, slot, *(jnp.roll(x, -i, axis=0) for x in (q, k, v, g, beta)))
+        same &= np.array_equal(bits(o[0]), bits(all_out[i])) and np.array_equal(bits(s[0]), bits(all_states[i]))
+    out["rows_bit_identical"] = bool(same)
+    return out
+
+
+def _recurrent_line(r: dict) -> str:
+    times = ", ".join(f"{rows} rows {s * 1e6:.1f} us" for rows, s in r["seconds"].items())
+    fit = f"fixed {r['fixed_s'] * 1e6:.1f} us, per row {r['per_row_s'] * 1e6:.1f} us"
+    return f"{times}; {fit}; rows bit-identical {r['rows_bit_identical']}"
+
+
+def _decode_rate(engine: Engine, prompt, n: int, repeats: int, **kwargs) -> tuple[list[int], dict]:
+    """(tokens, decode rates) of an on-device generation of n tokens: warm, then the wall of n tokens minus that of
+    1 (the prefill and the first token cancel), median of `repeats`."""
+    engine.generate(prompt, n, eos_id=(), on_device=True, **kwargs)  # warm: compile
+
+    def wall(tokens: int):
+        t0 = time.perf_counter()
+        result = engine.generate(prompt, tokens, eos_id=(), on_device=True, **kwargs)
+        return time.perf_counter() - t0, result
+
+    decode_s = statistics.median(wall(n)[0] - wall(1)[0] for _ in range(repeats))
+    _, result = wall(n)
+    s = result.stats
+    rounds = s.decode_steps + s.verify_steps
+    return result.tokens, {
+        "decode_tok_s": (len(result.tokens) - 1) / decode_s,
+        "ms_per_token": 1e3 * decode_s / (len(result.tokens) - 1),
+        "ms_per_round": 1e3 * decode_s / max(rounds, 1),
+        "mean_accepted": s.mean_accepted,
+        "verify_steps": s.verify_steps,
+        "decode_steps": s.decode_steps,
+    }
+
+
+def end_to_end(ctx: Context, e2e: dict, name: str, params: dict, cfg, ks: tuple[int, ...]) -> None:
+    opts = ctx.opts
+    repeats = 1 if opts.quick else 3
+    params = scale_attention_output(params, opts.o_factor)
+    n, plen = (8, 16) if opts.quick else (opts.new_tokens, opts.prompt_len)
+    length = 2 * plen + n
+    rng = np.random.default_rng(opts.seed + 29)
+    p, filler = random_filler(rng, cfg.vocab_size, plen, n, length)
+    e2e.update(new_tokens=n, prompt_len=length, o_factor=opts.o_factor, loop="on device")
+    engines = {}
+
+    def engine(k: int) -> Engine:
+        if k not in engines:
+            engines[k] = Engine(params, cfg, max_len=length + n + 16, k=k, prepare=opts.prepare_arg)
+        return engines[k]
+
+    try:
+        greedy, e2e["greedy"] = _decode_rate(engine(LOOKUP_K), filler, n, repeats)
+        echo = echo_prompt(p, greedy, None, rng, cfg.vocab_size, length)
+        want, e2e["greedy_echo"] = _decode_rate(engine(LOOKUP_K), echo, n, repeats)
+        runs = {f"lookup k={LOOKUP_K}": (LOOKUP_K, echo, want, PromptLookup())}
+        runs.update({f"mtp k={k}": (k, filler, greedy, MTPDrafter()) for k in ks})
+        for label, (k, prompt, expected, drafter) in runs.items():
+            why = ctx.budget.why_not(5.0 if opts.quick else 40.0, f"hybrid e2e {label}")
+            if why:
+                e2e[label] = {"status": "skipped", "reason": why}
+                continue
+            tokens, r = _decode_rate(engine(k), prompt, n, repeats, drafter=drafter)
+            r["identical"] = ctx.report.check_identity(tokens == expected, f"hybrid/{label}: tokens != greedy")
+            r["speedup"] = r["decode_tok_s"] / (e2e["greedy_echo" if prompt is echo else "greedy"]["decode_tok_s"])
+            if label.startswith("mtp"):
+                r["round_vs_decode"] = r["ms_per_round"] / e2e["greedy"]["ms_per_round"]
+            e2e[label] = r
+            print(
+                f"  hybrid {name} {label}: {r['decode_tok_s']:.1f} tok/s ({r['speedup']:.2f}x greedy), mean_accepted "
+                f"{r['mean_accepted']:.2f}, identical {r['identical']}",
+                flush=True,
+            )
+            ctx.report.save()
+        e2e["status"] = "done"
+    except Exception as e:
+        e2e.update(status="error", error=_error_text(e))
+        ctx.report.errors += 1
+        print(f"  hybrid e2e: ERROR {e!r}", flush=True)
+    finally:
+        engines.clear()
