@@ -3,7 +3,8 @@ depth, random int4 weights (`shapes.HYBRID_MODELS`: transformers' Qwen3.5 text s
 27B-class shape, 26.9B; the configs are in the JSON).
 
 1. Steps, each model in --models: decode_step and verify_step(k), k = 1, 2, 3, at --context (`steps.measure_steps`:
-   time, bytes, % of the roofline, verify / decode, GPU kernel groups, verify rows == decode rows bitwise).
+   time, bytes, % of the roofline, verify / decode, GPU kernel groups, verify rows == decode rows bitwise; the
+   dense sections' `--ks` do not apply).
 2. The recurrent kernel alone (`pallas_kernels.recurrent.gdn_rows`) on one layer's candidate states: time per call
    at 1 .. 4 rows (GPU kernel time on the GPU, else the wall of chained calls), its fixed cost (the intercept of a
    line through those times) and the state bytes it reads per row.
@@ -30,8 +31,8 @@ from jspec.engine import Engine
 from jspec.exactness import bits
 from jspec_bench.e2e import echo_prompt, random_filler
 from jspec_bench.report import Context, _error_text
-from jspec_bench.shapes import HYBRID_MODELS, scale_attention_output
-from jspec_bench.steps import _load_model, measure_steps
+from jspec_bench.shapes import HYBRID_MODELS, model_config, scale_attention_output
+from jspec_bench.steps import _load_model, _steps_for_models
 from jspec_bench.timing import kernel_times, profile
 from pallas_kernels import ROW_TILE
 from pallas_kernels.recurrent import gdn_rows, l2_normalize
@@ -41,43 +42,29 @@ LOOKUP_K = 3
 
 
 def section_hybrid(ctx: Context, sec: dict) -> None:
-    names = [n for n in HYBRID_MODELS if n in ctx.opts.models]
-    ks = (LOOKUP_K,) if ctx.opts.quick else KS  # quick: one verify and one MTP engine (compiles dominate on a CPU)
+    opts = ctx.opts
+    names = [n for n in HYBRID_MODELS if n in opts.models]
+    ks = (LOOKUP_K,) if opts.quick else KS  # quick: one verify and one MTP engine (compiles dominate on a CPU)
     sec["ks"] = list(ks)
-    models = sec.setdefault("models", {})
-    last = None
-    for name in names:
-        why = ctx.budget.why_not(10.0 if ctx.opts.quick else 120.0, f"{name} hybrid steps")
-        if why:
-            models[name] = {"status": "skipped", "reason": why}
-            continue
-        entry = models[name] = {"status": "running"}
-        try:
-            params, cfg, info = _load_model(ctx, name)
-            entry.update(info)
-            measure_steps(ctx, name, params, cfg, ks, entry)
-            ctx.report.save()
-            entry["recurrent"] = recurrent_cost(cfg, 3 if ctx.opts.quick else 50)
-            print(f"  {name} recurrent kernel: {_recurrent_line(entry['recurrent'])}", flush=True)
-            entry["status"] = "done"
-            last = (name, params, cfg)
-        except Exception as e:
-            entry.update(status="error", error=_error_text(e))
-            ctx.report.errors += 1
-            print(f"  {name}: ERROR {e!r}", flush=True)
-        finally:
-            params = None
-            gc.collect()
+    _steps_for_models(ctx, sec, names, ks, keep=names[-1] if names else None)
+    done = [n for n in names if sec["models"][n].get("status") == "done"]
+    for name in done:
+        r = sec["models"][name]["recurrent"] = recurrent_cost(model_config(name, opts.quick), 3 if opts.quick else 50)
+        print(f"  {name} recurrent kernel: {_recurrent_line(r)}", flush=True)
         ctx.report.save()
-    if last is None:
+    last = names[-1] if names else None
+    if last not in done:
+        ctx.kept.pop(last, None)
         return
-    why = ctx.budget.why_not(10.0 if ctx.opts.quick else 150.0, "hybrid end to end")
+    why = ctx.budget.why_not(10.0 if opts.quick else 150.0, "hybrid end to end")
     if why:
+        ctx.kept.pop(last, None)
         sec["e2e"] = {"status": "skipped", "reason": why}
         return
-    sec["e2e"] = {"model": last[0], "status": "running"}
-    end_to_end(ctx, sec["e2e"], *last, ks)
-    last = None
+    sec["e2e"] = {"model": last, "status": "running"}
+    params, cfg, _ = _load_model(ctx, last)  # the steps' params, kept
+    end_to_end(ctx, sec["e2e"], last, params, cfg, ks)
+    params = None
     gc.collect()
 
 

@@ -22,6 +22,29 @@ from jspec.models.mtp import init_mtp_params
 from jspec.state import init_state, physical_length
 from pallas_kernels import Int4Codes, Int4Halves, Int4Weight, quantize
 
+# transformers' Qwen3_5TextConfig() defaults (the Qwen3.5 text shape, 3 Gated DeltaNet : 1 gated attention, 9.0B
+# parameters), with one MTP layer
+QWEN3_5_TEXT = dict(
+    model_type="qwen3_5_text",
+    vocab_size=248320,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=32,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-6,
+    rope_theta=10000000.0,
+    partial_rotary_factor=0.25,
+    max_position_embeddings=32768,
+    tie_word_embeddings=False,
+    mtp_num_hidden_layers=1,
+)
 # Shapes typed in from the models' HuggingFace config.json files (no downloads).
 SHAPES: dict[str, dict] = {
     "qwen2.5-14b": dict(
@@ -93,49 +116,15 @@ SHAPES: dict[str, dict] = {
         max_position_embeddings=131072,
         tie_word_embeddings=True,
     ),
-    "qwen3.5": dict(  # transformers' Qwen3_5TextConfig() defaults (the Qwen3.5 text shape, 3 Gated DeltaNet : 1
-        # gated attention), with one MTP layer
-        model_type="qwen3_5_text",
-        vocab_size=248320,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=32,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        rms_norm_eps=1e-6,
-        rope_theta=10000000.0,
-        partial_rotary_factor=0.25,
-        max_position_embeddings=32768,
-        tie_word_embeddings=False,
-        mtp_num_hidden_layers=1,
-    ),
+    "qwen3.5": QWEN3_5_TEXT,
     "hybrid-27b": dict(  # a 27B-class Qwen3.5-style hybrid typed in here (no published config copied): hidden 5120,
         # 64 layers 3:1, 24 query / 4 KV heads of 256, 16 key / 48 value linear heads of 128; 26.9B parameters
-        model_type="qwen3_5_text",
-        vocab_size=248320,
+        QWEN3_5_TEXT,
         hidden_size=5120,
         intermediate_size=17408,
         num_hidden_layers=64,
         num_attention_heads=24,
-        num_key_value_heads=4,
-        head_dim=256,
-        linear_num_key_heads=16,
         linear_num_value_heads=48,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        rms_norm_eps=1e-6,
-        rope_theta=10000000.0,
-        partial_rotary_factor=0.25,
-        max_position_embeddings=32768,
-        tie_word_embeddings=False,
-        mtp_num_hidden_layers=1,
     ),
 }
 # Quick mode (CPU, CI): every shape shrunk to this size, family features (bias, rope layout, post norms) kept.

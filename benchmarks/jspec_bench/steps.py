@@ -180,7 +180,9 @@ def _load_model(ctx: Context, name: str, *, keep: bool = False):
     return params, cfg, info
 
 
-def _steps_for_models(ctx: Context, sec: dict, names: list[str], ks: tuple[int, ...]) -> None:
+def _steps_for_models(ctx: Context, sec: dict, names: list[str], ks: tuple[int, ...], keep: str | None = None) -> None:
+    """`measure_steps` of each model in `names` that the budget allows, into sec["models"]; the params of `keep`
+    (and of the e2e section's model) stay in ctx.kept for a later sub-step."""
     models = sec.setdefault("models", {})
     for name in names:
         missing = _demo_missing() if name == "demo" else None
@@ -198,8 +200,8 @@ def _steps_for_models(ctx: Context, sec: dict, names: list[str], ks: tuple[int, 
             continue
         entry = models[name] = {"status": "running"}
         try:
-            keep = ctx.opts.e2e_model == name and "e2e" in ctx.opts.sections
-            params, cfg, info = _load_model(ctx, name, keep=keep)
+            kept = name == keep or ctx.opts.e2e_model == name and "e2e" in ctx.opts.sections
+            params, cfg, info = _load_model(ctx, name, keep=kept)
             entry.update(info)
             measure_steps(ctx, name, params, cfg, ks, entry)
             entry["status"] = "done"
