@@ -113,6 +113,9 @@ def test_quick_peer_targets_plots_and_table(quick, capsys):
     e2e = hybrid["e2e"]
     assert e2e["status"] == "done" and e2e["lookup k=3"]["mean_accepted"] > 1
     assert all(e2e[label]["identical"] for label in ("lookup k=3", "mtp k=3"))
+    shard = data["sections"]["tp_shard"]["models"]["llama-3-8b tp=2"]
+    assert shard["status"] == "done" and shard["verify"]["7"]["bitwise_equal_decode"]
+    assert shard["shard_config"]["num_heads"] == 2 and shard["collectives"]["all_reduce"] == 2 * 2 + 1
     assert targets["zero recompiles after warm-up (e2e engines)"]["value"] == 0
     assert all("not evaluated" in t["detail"] for t in targets.values())
     assert sorted(data["plots"]) == sorted(str(out / "plots" / f) for f in ("roofline.png", "speedup.png"))

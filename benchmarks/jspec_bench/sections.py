@@ -23,6 +23,8 @@ starts (and before each model or sub-step), and whatever is skipped is recorded 
                prompt lookup at 4 and 8 (k = 3, 7) on echo prompts, every sequence compared with its own run.
   hybrid       Qwen3.5-style hybrids at full depth (jspec_bench.hybrid): decode and verify (k = 1, 2, 3), the
                recurrent kernel's fixed cost, and on the on-device loop greedy, prompt lookup and MTP, tokens compared.
+  tp_shard     one shard of a TP = 2 layout of each step model (jspec_bench.tp_shard) timed alone on one GPU, its
+               collectives counted and sized, the TP step predicted at assumed collective latencies.
 A section is a function `section(ctx: Context, sec: dict)` that fills `sec`, its dict in the results JSON; adding one
 is one line in `REGISTRY`, which `--sections` (its choices and default order) and `main` read."""
 
@@ -41,6 +43,7 @@ from jspec_bench.report import Context
 from jspec_bench.roofline import section_roofline
 from jspec_bench.sampling import section_sampling
 from jspec_bench.steps import section_other_steps, section_steps
+from jspec_bench.tp_shard import section_tp_shard
 
 
 class Section(NamedTuple):
@@ -59,6 +62,7 @@ REGISTRY: dict[str, Section] = {  # in priority order
     "draft_model": Section(section_draft_model, 30.0),
     "batch": Section(section_batch, 60.0),
     "hybrid": Section(section_hybrid, 120.0),
+    "tp_shard": Section(section_tp_shard, 60.0),
 }
 SECTIONS = tuple(REGISTRY)
 SECTION_FUNCS = {name: s.run for name, s in REGISTRY.items()}
