@@ -1,10 +1,12 @@
-"""Train the bundled demo model: a small Qwen2-style code model with one DeepSeek-V3-style MTP layer.
+"""Train the bundled demo model: a small Qwen2-style code model with one DeepSeek-V3-style MTP layer (or, with
+`--family qwen3_5`, a Qwen3.5-style hybrid: Gated DeltaNet 3 : 1 gated attention, one Qwen3-Next-layout MTP layer).
 
 Pipeline (one command, time-budgeted):
   1. corpus: the Python source files of the running interpreter (its standard library and installed packages),
      de-duplicated, split into train / held-out by a hash of each file's content;
   2. a byte-level BPE tokenizer trained with HuggingFace `tokenizers` (or an existing tokenizer.json);
-  3. training of jspec's dense params layout, with the forward of `jspec.models.dense.forward` and the MTP loss of
+  3. training of jspec's params layout, with the family's own forward (`jspec.models.dense.forward` or
+     `jspec.models.hybrid.forward`, whose Gated DeltaNet runs the chunked form) and the MTP loss of
      `jspec.models.mtp.mtp_forward`, so the trained params are exactly what jspec runs: optax AdamW, linear warmup
      then cosine decay, bfloat16 compute on float32 master weights, `--minutes` of training;
   4. held-out loss and greedy samples (float32 and int4), int4 quantization of every linear
@@ -12,6 +14,7 @@ Pipeline (one command, time-budgeted):
      together with tokenizer.json, metrics.json and MODEL_CARD.md.
 
     python -m checkpoints.train_demo --out DIR --minutes 4 [--tokenizer tokenizer.json] [--size demo|tiny]
+        [--family qwen2|qwen3_5]
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import numpy as np
 
 import checkpoints
 from jspec.config import ModelConfig, RopeConfig
-from jspec.models import dense, quantize_linears
+from jspec.models import family_module, quantize_linears
 from jspec.models.layers import logits as logits_from_hidden
 from jspec.models.mtp import init_mtp_params, mtp_forward
 from jspec.stats import common_prefix
@@ -45,7 +48,10 @@ SIZES = {
     "demo": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408),
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128),
 }
-RESIDUAL_OUTPUTS = ("o", "down")  # projections writing into the residual stream (init scaled by depth)
+RESIDUAL_OUTPUTS = ("o", "down", "out")  # projections writing into the residual stream (init scaled by depth)
+FAMILIES = ("qwen2", "qwen3_5")
+STYLES = {"qwen2": "Qwen2-style", "qwen3_5": "Qwen3.5-style hybrid (Gated DeltaNet and gated attention)"}
+KEPT_INIT = ("A_log", "dt_bias", "conv")  # Gated DeltaNet parameters kept as the family's init_params draws them
 POST_TRAINING_RESERVE_S = 75  # evaluation, quantization, samples and saving after the training loop (H200)
 # Prompts end mid-line: the tokenizer merges a newline with the next line's indentation ("\n        " is one
 # token), so a prompt ending in "\n" is a split the model rarely saw (it tends to answer with end-of-text).
@@ -174,30 +180,56 @@ def encode_texts(tok, texts: list[str]) -> np.ndarray:
 
 
 # -------------------------------------------------------------------------------------------------------- model
-def demo_config(vocab_size: int, size: str = "demo", seq_len: int = 512, eos_id: int = 0) -> ModelConfig:
-    """Qwen2-style config (qkv bias, untied lm_head, GQA) with one DeepSeek-layout MTP layer."""
+def demo_config(
+    vocab_size: int, size: str = "demo", seq_len: int = 512, eos_id: int = 0, family: str = "qwen2"
+) -> ModelConfig:
+    """qwen2: Qwen2-style config (qkv bias, untied lm_head, GQA) with one DeepSeek-layout MTP layer. qwen3_5: a
+    Qwen3.5-style hybrid of the same widths (every 4th layer gated attention, the last one at least; the others
+    Gated DeltaNet with the attention's KV heads as key heads and its query heads as value heads, of head_dim),
+    partial rotary 0.25, one Qwen3-Next-layout MTP layer."""
     dims = SIZES[size]
-    return ModelConfig(
-        family="qwen2",
+    head_dim = dims["hidden_size"] // dims["num_heads"]
+    common = dict(
         vocab_size=vocab_size,
-        head_dim=dims["hidden_size"] // dims["num_heads"],
+        head_dim=head_dim,
         rms_norm_eps=1e-6,
-        rope=RopeConfig(theta=10000.0),
-        attention_bias=True,
         tie_word_embeddings=False,
         max_position_embeddings=seq_len,
         eos_token_ids=(eos_id,),
         num_mtp_layers=1,
-        mtp_layout="deepseek",
         **dims,
+    )
+    if family == "qwen2":
+        return ModelConfig(
+            family="qwen2", rope=RopeConfig(theta=10000.0), attention_bias=True, mtp_layout="deepseek", **common
+        )
+    if family != "qwen3_5":
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    n = dims["num_layers"]
+    full = {i for i in range(n) if (i + 1) % 4 == 0} | {n - 1}
+    return ModelConfig(
+        family="qwen3_5",
+        rope=RopeConfig(theta=10000.0, partial_rotary_factor=0.25),
+        layer_types=tuple("full_attention" if i in full else "linear_attention" for i in range(n)),
+        attn_output_gate=True,
+        norm_plus_one=True,
+        linear_num_key_heads=dims["num_kv_heads"],
+        linear_num_value_heads=dims["num_heads"],
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim,
+        linear_conv_kernel_dim=4,
+        mtp_layout="qwen3_next",
+        **common,
     )
 
 
 def init_train_params(cfg: ModelConfig, key: jax.Array) -> dict:
-    """float32 params in jspec's layout (dense.init_params, + init_mtp_params when cfg has MTP layers), re-initialised
-    for training: norms 1, biases 0, matrices N(0, 0.02^2), residual output projections N(0, (0.02 / sqrt(2 L))^2)."""
+    """float32 params in jspec's layout (the family's init_params, + init_mtp_params when cfg has MTP layers),
+    re-initialised for training: norms the identity (1, or 0 where the family's norms scale by 1 + w; Gated
+    DeltaNet's gated norm 1), biases 0, matrices N(0, 0.02^2), residual output projections N(0, (0.02 / sqrt(2 L))^2),
+    Gated DeltaNet's decay, step bias and conv (`KEPT_INIT`) as the family draws them."""
     k_main, k_mtp, k_init = jax.random.split(key, 3)
-    params = dense.init_params(cfg, k_main)
+    params = family_module(cfg).init_params(cfg, k_main)
     if cfg.num_mtp_layers:
         params["mtp"] = init_mtp_params(cfg, k_mtp, num_layers=cfg.num_mtp_layers)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -206,8 +238,11 @@ def init_train_params(cfg: ModelConfig, key: jax.Array) -> dict:
 
     def init(path, leaf, k):
         name = path[-1].key
+        if name in KEPT_INIT:
+            return leaf.astype(jnp.float32)
         if name.endswith("norm"):
-            return jnp.ones(leaf.shape, jnp.float32)
+            identity = 0.0 if cfg.norm_plus_one and name != "gdn_norm" else 1.0
+            return jnp.full(leaf.shape, identity, jnp.float32)
         if name.endswith("bias"):
             return jnp.zeros(leaf.shape, jnp.float32)
         std = 0.02 * (depth_scale if name in RESIDUAL_OUTPUTS else 1.0)
@@ -240,7 +275,7 @@ def model_losses(params: dict, cfg: ModelConfig, windows: jax.Array) -> tuple[ja
     inputs, nexts, after = windows[:, :-2], windows[:, 1:-1], windows[:, 2:]
 
     def one(tokens, next_tokens):
-        hidden = dense.forward(params, cfg, tokens)
+        hidden = family_module(cfg).forward(params, cfg, tokens)
         return logits_from_hidden(params, cfg, hidden), mtp_forward(params, cfg, hidden, next_tokens)
 
     main_logits, mtp_logits = jax.vmap(one)(inputs, nexts)
@@ -335,7 +370,7 @@ def top1_agreement(params_a: dict, params_b: dict, cfg: ModelConfig, windows: np
 
     @jax.jit
     def argmax_tokens(params, tokens):
-        hidden = jax.vmap(lambda t: dense.forward(params, cfg, t))(tokens)
+        hidden = jax.vmap(lambda t: family_module(cfg).forward(params, cfg, t))(tokens)
         return jnp.argmax(jax.vmap(lambda h: logits_from_hidden(params, cfg, h))(hidden), axis=-1)
 
     same = total = 0
@@ -438,26 +473,33 @@ def dir_bytes(path: str) -> int:
 def model_card(m: dict) -> str:
     """MODEL_CARD.md text from the metrics dict."""
     cfg, tr, data = m["config"], m["training"], m["data"]
+    linears = "qkv, o, gate_up, down, " + ("in_proj, out, " if cfg["layer_types"] else "") + "lm_head, MTP fc"
+    mixers = (  # a hybrid's token mixers
+        f"layers {', '.join(cfg['layer_types'])} (Gated DeltaNet {cfg['linear_num_key_heads']} key / "
+        f"{cfg['linear_num_value_heads']} value heads of {cfg['linear_value_head_dim']}), "
+        if cfg["layer_types"]
+        else ""
+    )
     lines = [
         "# jspec demo model",
         "",
-        "A small Qwen2-style code model trained by `python -m checkpoints.train_demo` on the Python sources of the",
-        "training machine's interpreter. It exists to exercise jspec end to end (int4 weights, prompt lookup, MTP",
-        "drafting); it writes Python-looking code, not correct programs, and greedy decoding of a model this small",
-        "soon falls into repetition loops.",
+        f"A small {STYLES[cfg['family']]} code model trained by `python -m checkpoints.train_demo` on the Python",
+        "sources of the training machine's interpreter. It exists to exercise jspec end to end (int4 weights, prompt",
+        "lookup, MTP drafting); it writes Python-looking code, not correct programs, and greedy decoding of a model",
+        "this small soon falls into repetition loops.",
         "",
         "## Config",
         "",
         f"- family `{cfg['family']}`, hidden {cfg['hidden_size']}, {cfg['num_layers']} layers, "
         f"{cfg['num_heads']} query / {cfg['num_kv_heads']} KV heads of {cfg['head_dim']}, "
-        f"MLP {cfg['intermediate_size']}, "
+        f"MLP {cfg['intermediate_size']}, {mixers}"
         f"vocab {cfg['vocab_size']}, untied lm_head, RoPE theta {cfg['rope']['theta']:g}, "
         f"trained context {cfg['max_position_embeddings']}",
         f"- {cfg['num_mtp_layers']} MTP layer ({cfg['mtp_layout']} layout), trained jointly "
         f"(loss weight {tr['settings']['aux_weight']})",
         f"- parameters: {m['params']['main'] / 1e6:.1f} M main model + {m['params']['mtp'] / 1e6:.1f} M MTP "
         f"(embedding {m['params']['embed'] / 1e6:.1f} M)",
-        f"- stored: every linear (qkv, o, gate_up, down, lm_head, MTP fc) int4 (symmetric, blocks of 32, bf16 "
+        f"- stored: every linear ({linears}) int4 (symmetric, blocks of 32, bf16 "
         f"scales); embedding, norms and biases float32. Checkpoint {m['checkpoint_bytes'] / 1e6:.1f} MB",
         "",
         "## Data",
@@ -519,7 +561,7 @@ def run(args) -> dict:
     )
 
     s = TrainSettings(batch=args.batch, seq_len=args.seq_len, peak_lr=args.lr, warmup=args.warmup)
-    cfg = demo_config(tok.get_vocab_size(), args.size, args.seq_len, tok.token_to_id(EOS))
+    cfg = demo_config(tok.get_vocab_size(), args.size, args.seq_len, tok.token_to_id(EOS), args.family)
     params = init_train_params(cfg, jax.random.PRNGKey(args.seed))
     n_main = count_params({k: v for k, v in params.items() if k != "mtp"})
     log(f"model: {n_main / 1e6:.2f} M params + {count_params(params['mtp']) / 1e6:.2f} M MTP on {jax.devices()[0]}")
@@ -636,6 +678,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--tokenizer-only", action="store_true", help="train the tokenizer, write tokenizer.json, exit")
     p.add_argument("--size", choices=sorted(SIZES), default="demo")
+    p.add_argument("--family", choices=FAMILIES, default="qwen2", help="qwen3_5: the Gated DeltaNet hybrid")
     p.add_argument("--tokenizer", help="use this tokenizer.json instead of training one")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--tokenizer-files", type=int, default=4000, help="train files the tokenizer is trained on")

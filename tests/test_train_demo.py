@@ -13,7 +13,7 @@ import pytest
 
 import checkpoints
 from checkpoints import train_demo
-from jspec.models import dense
+from jspec.models import dense, hybrid
 from pallas_kernels import Int4Weight
 
 STDLIB_MODULES = ("argparse", "json/decoder", "json/encoder", "textwrap", "string", "fractions", "heapq", "bisect")
@@ -98,6 +98,45 @@ def test_train_params_layout():
     assert np.all(np.asarray(layer["input_norm"]) == 1) and np.all(np.asarray(layer["qkv_bias"]) == 0)
     assert abs(float(np.std(np.asarray(layer["qkv"]))) - 0.02) < 0.002
     assert train_demo.count_params(params) > train_demo.count_params(main)
+
+
+def test_hybrid_train_params_layout():
+    """--family qwen3_5: the hybrid's own layout; norms scaling by 1 + w start at 0, the gated norm at 1, the decay
+    and conv as the family draws them, matrices N(0, 0.02^2)."""
+    cfg = train_demo.demo_config(512, "tiny", family="qwen3_5")
+    assert cfg.layer_types == ("linear_attention", "full_attention") and cfg.mtp_layout == "qwen3_next"
+    params = train_demo.init_train_params(cfg, jax.random.PRNGKey(0))
+    main = {k: v for k, v in params.items() if k != "mtp"}
+    drawn = hybrid.init_params(cfg, jax.random.PRNGKey(0))
+    assert jax.tree.structure(main) == jax.tree.structure(drawn)
+    linear, attention = params["layers"]
+    assert np.all(np.asarray(linear["input_norm"]) == 0) and np.all(np.asarray(attention["q_norm"]) == 0)
+    assert np.all(np.asarray(linear["gdn_norm"]) == 1)
+    a = np.exp(np.asarray(linear["A_log"]))  # the family's draw, log U(0.02, 0.5), not a matrix's N(0, 0.02^2)
+    assert np.all((a > 0.02) & (a < 0.5))
+    assert abs(float(np.std(np.asarray(linear["in_proj"]))) - 0.02) < 0.002
+
+
+def test_hybrid_trainer_learns_and_its_checkpoint_drafts_with_its_mtp_head(corpus_root, tmp_path):
+    """A tiny Qwen3.5-style hybrid trained jointly with its MTP layer: both losses fall; the int4 checkpoint loads
+    as a qwen3_5 model whose MTP head drafts for it with greedy's tokens."""
+    import jspec
+
+    argv = ["--out", str(tmp_path), "--minutes", "1", "--size", "tiny", "--family", "qwen3_5"]
+    argv += ["--roots", str(corpus_root), "--vocab-size", "400", "--batch", "4", "--seq-len", "32", "--lr", "5e-3"]
+    argv += ["--warmup", "5", "--max-steps", "40", "--eval-windows", "2", "--eval-batch", "2", "--sample-tokens", "4"]
+    argv += ["--heldout-permille", "300"]
+    metrics = train_demo.run(train_demo.parse_args(argv))
+    first, last = metrics["training"]["curve"][0], metrics["training"]["curve"][-1]
+    assert last[1] < first[1] - 0.5 and last[2] < first[2] - 0.5, metrics["training"]["curve"]
+    params, cfg = checkpoints.load(os.path.join(tmp_path, "checkpoint"))
+    assert (
+        cfg.family == "qwen3_5" and cfg.num_mtp_layers == 1 and isinstance(params["layers"][0]["in_proj"], Int4Weight)
+    )
+    engine = jspec.Engine(params, cfg, max_len=32, k=2)
+    prompt = list(range(1, 9))
+    out = engine.generate(prompt, 16, drafter=jspec.MTPDrafter(), eos_id=())
+    assert out.tokens == engine.generate(prompt, 16, eos_id=()).tokens and out.stats.verify_steps > 0
 
 
 def test_gather_corpus_dedupes_and_splits(tmp_path):
