@@ -30,7 +30,7 @@ from jspec.drafters import MTPDrafter, PromptLookup
 from jspec.engine import Engine
 from jspec.exactness import bits
 from jspec_bench.e2e import echo_prompt, random_filler
-from jspec_bench.report import Context, _error_text
+from jspec_bench.report import Context
 from jspec_bench.shapes import HYBRID_MODELS, model_config, scale_attention_output
 from jspec_bench.steps import _load_model, _steps_for_models
 from jspec_bench.timing import kernel_times, profile
@@ -181,8 +181,6 @@ def end_to_end(ctx: Context, e2e: dict, name: str, params: dict, cfg, ks: tuple[
             ctx.report.save()
         e2e["status"] = "done"
     except Exception as e:
-        e2e.update(status="error", error=_error_text(e))
-        ctx.report.errors += 1
-        print(f"  hybrid e2e: ERROR {e!r}", flush=True)
+        ctx.report.failed(e2e, "hybrid e2e", e)
     finally:
         engines.clear()

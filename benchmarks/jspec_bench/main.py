@@ -17,7 +17,7 @@ import jax
 
 from jspec_bench.options import parse_args
 from jspec_bench.plots import make_plots
-from jspec_bench.report import Context, Report, _error_text, _meta
+from jspec_bench.report import Context, Report, _meta
 from jspec_bench.sections import SECTION_FUNCS, SECTION_MIN_S
 from jspec_bench.summary import evaluate_targets, readme_table
 from jspec_bench.timing import Budget, CompileCounter, CompileEstimator
@@ -60,9 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                 if sec["status"] == "running":
                     sec["status"] = "done"
             except Exception as e:
-                sec.update(status="error", error=_error_text(e))
-                report.errors += 1
-                print(f"[{name}] ERROR {e!r}", flush=True)
+                report.failed(sec, f"[{name}]", e)
             sec["elapsed_s"] = time.perf_counter() - t0
             gc.collect()
             report.save()

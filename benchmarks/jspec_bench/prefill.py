@@ -25,7 +25,7 @@ from jspec.drafters import PromptLookup
 from jspec.engine import Engine
 from jspec.models import LINEAR_WEIGHTS
 from jspec_bench.e2e import echo_prompt, pad_prompt
-from jspec_bench.report import Context, _error_text
+from jspec_bench.report import Context
 from jspec_bench.shapes import hf_config_dict, scale_attention_output
 from jspec_bench.steps import _load_model
 
@@ -132,9 +132,7 @@ def section_prefill(ctx: Context, sec: dict) -> None:
                 entry["peer"] = _hf_prefill(ctx, name, rng)
             entry["status"] = "done"
         except Exception as e:
-            entry.update(status="error", error=_error_text(e))
-            ctx.report.errors += 1
-            print(f"  prefill {name}: ERROR {e!r}", flush=True)
+            ctx.report.failed(entry, f"prefill {name}", e)
         finally:
             params = None
             gc.collect()

@@ -60,6 +60,13 @@ class Report:
     def section(self, name: str) -> dict:
         return self.data["sections"].setdefault(name, {"status": "running"})
 
+    def failed(self, entry: dict, label: str, e: BaseException) -> None:
+        """A sub-step raised: entry gets status "error" and the traceback's tail, the run an error (a non-zero
+        exit), the log one line; the run goes on."""
+        entry.update(status="error", error=_error_text(e))
+        self.errors += 1
+        print(f"  {label}: ERROR {e!r}", flush=True)
+
     def check_identity(self, ok: bool, what: str) -> bool:
         self.data["identity"]["checks"] += 1
         if not ok:

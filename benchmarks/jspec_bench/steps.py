@@ -18,7 +18,7 @@ from jspec.config import ModelConfig
 from jspec.engine import compiler_options
 from jspec.exactness import forced_decode_logits, mismatched_rows
 from jspec.steps import commit, decode_step, verify_step
-from jspec_bench.report import Context, _error_text
+from jspec_bench.report import Context
 from jspec_bench.shapes import (
     OTHER_MODELS,
     STEP_MODELS,
@@ -206,9 +206,7 @@ def _steps_for_models(ctx: Context, sec: dict, names: list[str], ks: tuple[int, 
             measure_steps(ctx, name, params, cfg, ks, entry)
             entry["status"] = "done"
         except Exception as e:
-            entry.update(status="error", error=_error_text(e))
-            ctx.report.errors += 1
-            print(f"  {name}: ERROR {e!r}", flush=True)
+            ctx.report.failed(entry, name, e)
         finally:
             params = None
             gc.collect()

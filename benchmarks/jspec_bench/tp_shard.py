@@ -17,7 +17,7 @@ import dataclasses
 import gc
 
 from jspec.tensor_parallel import shard_config
-from jspec_bench.report import Context, _error_text
+from jspec_bench.report import Context
 from jspec_bench.shapes import STEP_MODELS, model_config, random_int4_params
 from jspec_bench.steps import measure_steps
 from pallas_kernels import ROW_TILE
@@ -76,9 +76,7 @@ def section_tp_shard(ctx: Context, sec: dict) -> None:
                 )
                 entry["status"] = "done"
             except Exception as e:
-                entry.update(status="error", error=_error_text(e))
-                ctx.report.errors += 1
-                print(f"  {label}: ERROR {e!r}", flush=True)
+                ctx.report.failed(entry, label, e)
             finally:
                 params = None
                 gc.collect()
