@@ -340,10 +340,11 @@ def slot_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loo
         state, tile, row_tokens = decode_tile(params, cfg, loop.state, tile_rows=1)
     else:
         state, tile, row_tokens = verify_tile(params, cfg, loop.state, loop.draft, tile_rows=rows)
+    used = _step_rows(tile, settings.k + 1)
     if settings.sampling is None:
-        chosen = jnp.argmax(_step_rows(tile, settings.k + 1), axis=-1).astype(jnp.int32)
+        chosen = jnp.argmax(used, axis=-1).astype(jnp.int32)
     else:
-        chosen = _sample_rows(settings, loop, _step_rows(tile, settings.k + 1), row_tokens)
+        chosen = _sample_rows(settings, loop, used, row_tokens)
     if rows == 1:
         n_acc, token = jnp.zeros((), jnp.int32), chosen[0]
     else:

@@ -177,12 +177,15 @@ MASS_BITS = 24  # top-p's fixed point: a token's mass is round(e * 2 ** 24), e i
 MASS_CHUNK = 128  # tokens per exact uint32 partial sum: 128 * 2 ** 24 = 2 ** 31
 
 
-def _fixed_point(e: jax.Array) -> jax.Array:
-    """e float32 [R, V] in [0, 1] -> uint32 [R, C, MASS_CHUNK]: round(e * 2 ** MASS_BITS), zero-padded to C whole
-    chunks (every step exact: a scaling by a power of two, a rounding, a conversion of an integer <= 2 ** 24)."""
-    pad = -e.shape[1] % MASS_CHUNK
-    q = jnp.round(e * 2.0**MASS_BITS).astype(jnp.uint32)
-    return jnp.pad(q, ((0, 0), (0, pad))).reshape(e.shape[0], -1, MASS_CHUNK)
+def _in_chunks(e: jax.Array) -> jax.Array:
+    """e [R, V] -> [R, C, MASS_CHUNK]: the row zero-padded to C whole chunks."""
+    return jnp.pad(e, ((0, 0), (0, -e.shape[1] % MASS_CHUNK))).reshape(e.shape[0], -1, MASS_CHUNK)
+
+
+def _fixed_point(ec: jax.Array) -> jax.Array:
+    """ec float32 [R, C, MASS_CHUNK] in [0, 1] (`_in_chunks`) -> uint32: round(e * 2 ** MASS_BITS) (every step
+    exact: a scaling by a power of two, a rounding, a conversion of an integer <= 2 ** 24; padding stays 0)."""
+    return jnp.round(ec * 2.0**MASS_BITS).astype(jnp.uint32)
 
 
 def _over_chunks(sums: jax.Array) -> jax.Array:
@@ -193,10 +196,9 @@ def _over_chunks(sums: jax.Array) -> jax.Array:
     return hi.astype(jnp.float32) * 65536.0 + lo.astype(jnp.float32)
 
 
-def _mass_above(e: jax.Array, q: jax.Array):
-    """stat for the search: t [R, 1, W] -> float32 [R, W], the fixed-point mass (q: `_fixed_point(e)`) of the
-    tokens with e [R, V] > t."""
-    ec = jnp.pad(e, ((0, 0), (0, q.shape[1] * MASS_CHUNK - e.shape[1]))).reshape(q.shape)
+def _mass_above(ec: jax.Array, q: jax.Array):
+    """stat for the search: t [R, 1, W] -> float32 [R, W], the fixed-point mass (q: `_fixed_point(ec)`) of the
+    tokens with e > t (ec: e [R, V] `_in_chunks`)."""
 
     def stat(t):
         hit = ec[..., None] > t[:, :, None, :]  # [R, C, MASS_CHUNK, W]
@@ -212,11 +214,12 @@ def _top_p(z: jax.Array, top_p: jax.Array) -> jax.Array:
     run (rule 8), where a float sum's order, and so its rounding, is XLA's choice per shape (1 ulp apart between 1
     and 8 rows on the H200: experiments/results/top_p_mass_h200.json)."""
     e = _relative(z)
-    q = _fixed_point(e)
+    ec = _in_chunks(e)
+    q = _fixed_point(ec)
     limit = top_p.astype(jnp.float32) * _over_chunks(jnp.sum(q, axis=2, dtype=jnp.uint32))
     zero, one = _order_key(jnp.zeros(limit.shape, jnp.float32)), _order_key(jnp.ones(limit.shape, jnp.float32))
     # mass(e > t) < top_p * mass(all) holds from the smallest kept e on
-    threshold = _smallest_passing(_mass_above(e, q), limit, zero, one)
+    threshold = _smallest_passing(_mass_above(ec, q), limit, zero, one)
     return jnp.where(e >= threshold[:, None], z, -jnp.inf)
 
 

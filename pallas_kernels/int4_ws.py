@@ -21,8 +21,8 @@ time (`Config.chunks`: the next chunk converts while the previous chunk's wgmma 
 float32 [wg_rows, 16]; at the end of each tile's run of steps (a segment) the accumulator goes to that segment's
 partial. Every step is the same straight-line code (no branch around the wgmma or the accumulator's zeroing), or
 ptxas serializes the wgmma instructions. `tiles_matmul` (batches of sequences) runs up to `launch_tiles` row
-tiles in one launch, each with its own accumulator and the wgmma instructions it gets alone. GPU only (no
-interpret mode); bfloat16 activations. H200 measurements and
+tiles in one launch, all in one wgmma of N = 16 T per chunk (`Config.wide_wgmma`), each tile's columns the bits it
+gets alone. GPU only (no interpret mode); bfloat16 activations. H200 measurements and
 the variants behind the defaults: docs/kernels.md and benchmarks/experiments/int4_layouts.py.
 """
 
@@ -218,9 +218,10 @@ def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> 
 def tiles_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> jax.Array:
     """x [R, K] bfloat16 (any R >= 1: a batch's rows, `pallas_kernels.matmul`) @ W [K, N] -> float32 [R, N]: R
     padded to whole row tiles of ROW_TILE, each tile's rows the bits `rows_matmul` gives that tile alone. One launch
-    takes up to `launch_tiles` tiles over each weight tile it streams: every row tile has its own accumulator and
-    gets the same wgmma instructions in the same k order as alone, under the same partition (a function of the
-    weight's shape and the config), so the weights are read once per launch instead of once per row tile."""
+    takes up to `launch_tiles` tiles over each weight tile it streams: one wgmma over them all (`Config.wide_wgmma`;
+    or one per tile), whose columns are the same dot products in the same k order as a tile alone, under the same
+    partition (a function of the weight's shape and the config), so the weights are read once per launch instead of
+    once per row tile."""
     r, k = x.shape
     steps, n, _ = w.codes.shape
     k_stored = steps * TILE_K
@@ -247,7 +248,7 @@ def _product(xp: jax.Array, w: Int4Codes, cfg: Config) -> jax.Array:
 
 # Shared memory the kernel may plan for (the H200 grants a CTA 227 KB; the rest holds barriers and Mosaic's own).
 SMEM_BYTES = 216 * 1024
-MAX_LAUNCH_TILES = 4  # row tiles per launch: 4 accumulators of [wg_rows, 16] float32 per consumer warpgroup
+MAX_LAUNCH_TILES = 4  # row tiles per launch: [wg_rows, 4 x 16] float32 of accumulator per consumer warpgroup
 MIN_RING = 3  # the fewest pipeline stages a launch of several row tiles keeps
 
 

@@ -125,9 +125,9 @@ def test_threshold_search_finds_the_smallest_passing_float(weighted):
     if weighted:
         total = q.sum(1)
         limit = np.float32(0.9) * (np.float32(total >> 16) * np.float32(65536) + np.float32(total & 0xFFFF))
-        e = jnp.asarray(x)
+        ec = sampling._in_chunks(jnp.asarray(x))
         lo, hi = sampling._order_key(jnp.zeros(4)), sampling._order_key(jnp.ones(4))
-        fn = sampling._mass_above(e, sampling._fixed_point(e))
+        fn = sampling._mass_above(ec, sampling._fixed_point(ec))
     else:
         limit = np.full(4, 50, np.int32)
         lo = sampling._order_key(jnp.min(jnp.asarray(x), axis=1))

@@ -103,6 +103,8 @@ def test_train_params_layout():
 def test_hybrid_train_params_layout():
     """--family qwen3_5: the hybrid's own layout; norms scaling by 1 + w start at 0, the gated norm at 1, the decay
     and conv as the family draws them, matrices N(0, 0.02^2)."""
+    with pytest.raises(ValueError, match=r"family must be one of \('qwen2', 'qwen3_5'\), got 'llama'"):
+        train_demo.demo_config(512, "tiny", family="llama")
     cfg = train_demo.demo_config(512, "tiny", family="qwen3_5")
     assert cfg.layer_types == ("linear_attention", "full_attention") and cfg.mtp_layout == "qwen3_next"
     params = train_demo.init_train_params(cfg, jax.random.PRNGKey(0))

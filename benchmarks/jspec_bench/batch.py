@@ -253,7 +253,7 @@ class _HFBatches:
         import torch
         import transformers
 
-        self.ctx, self.name, self.model = ctx, name, None
+        self.ctx, self.name, self.model, self.config = ctx, name, None, None
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.info = {
             "transformers": transformers.__version__,

@@ -116,7 +116,7 @@ def _recurrent_line(r: dict) -> str:
     return f"{times}; {fit}; rows bit-identical {r['rows_bit_identical']}"
 
 
-def _decode_rate(engine: Engine, prompt, n: int, repeats: int, **kwargs) -> tuple[list[int], dict]:
+def _device_decode_rate(engine: Engine, prompt, n: int, repeats: int, **kwargs) -> tuple[list[int], dict]:
     """(tokens, decode rates) of an on-device generation of n tokens: warm, then the wall of n tokens minus that of
     1 (the prefill and the first token cancel), median of `repeats`."""
     engine.generate(prompt, n, eos_id=(), on_device=True, **kwargs)  # warm: compile
@@ -157,9 +157,9 @@ def end_to_end(ctx: Context, e2e: dict, name: str, params: dict, cfg, ks: tuple[
         return engines[k]
 
     try:
-        greedy, e2e["greedy"] = _decode_rate(engine(LOOKUP_K), filler, n, repeats)
+        greedy, e2e["greedy"] = _device_decode_rate(engine(LOOKUP_K), filler, n, repeats)
         echo = echo_prompt(p, greedy, None, rng, cfg.vocab_size, length)
-        want, e2e["greedy_echo"] = _decode_rate(engine(LOOKUP_K), echo, n, repeats)
+        want, e2e["greedy_echo"] = _device_decode_rate(engine(LOOKUP_K), echo, n, repeats)
         runs = {f"lookup k={LOOKUP_K}": (LOOKUP_K, echo, want, PromptLookup())}
         runs.update({f"mtp k={k}": (k, filler, greedy, MTPDrafter()) for k in ks})
         for label, (k, prompt, expected, drafter) in runs.items():
@@ -167,7 +167,7 @@ def end_to_end(ctx: Context, e2e: dict, name: str, params: dict, cfg, ks: tuple[
             if why:
                 e2e[label] = {"status": "skipped", "reason": why}
                 continue
-            tokens, r = _decode_rate(engine(k), prompt, n, repeats, drafter=drafter)
+            tokens, r = _device_decode_rate(engine(k), prompt, n, repeats, drafter=drafter)
             r["identical"] = ctx.report.check_identity(tokens == expected, f"hybrid/{label}: tokens != greedy")
             r["speedup"] = r["decode_tok_s"] / (e2e["greedy_echo" if prompt is echo else "greedy"]["decode_tok_s"])
             if label.startswith("mtp"):

@@ -60,7 +60,8 @@ def section_tp_shard(ctx: Context, sec: dict) -> None:
                 cfg = model_config(name, opts.quick)
                 local = local_config(cfg, n)
                 params = random_int4_params(local, opts.seed, opts.lm_head == "int4")
-                entry.update(shard_config=local.to_dict(), collectives=collectives(cfg, 2))
+                act_bytes = params["embed"].dtype.itemsize
+                entry.update(shard_config=local.to_dict(), collectives=collectives(cfg, act_bytes))
                 measure_steps(ctx, label, params, local, (7,), entry)
                 shard_s, count = entry["decode"]["time_s"], entry["collectives"]["all_reduce"] + 1
                 entry["predicted_step_s"] = {str(us): shard_s + count * us * 1e-6 for us in COLLECTIVE_US}
