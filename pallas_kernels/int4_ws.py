@@ -1,7 +1,8 @@
 """Warp-specialized Mosaic GPU int4 row-tile matmul (Hopper), on weights prepared once as signed int4 codes.
 
 `Int4Codes` holds an `Int4Weight` (symmetric) re-coded for this kernel: each code is the two's-complement int4 of q - 8
-(`jnp.int4`, K padded with zero codes to a multiple of the 256-k tile, stored step-major like the scales so that one
+(`jnp.int4`, K padded with zero codes to a multiple of the 256-k tile and N with zero rows to a multiple of the
+128-row weight tile, stored step-major like the scales so that one
 (row tile, k step) block of codes is 16 contiguous KB), and inside every 32-k block
 (one scale group) the codes are stored in the order `STORED_K`: a thread's 8 consecutive stored codes, which Mosaic's
 int4 upcast layout hands it as one 32-bit word, are then exactly the 8 k the wgmma register layout gives that thread
@@ -51,16 +52,20 @@ class Int4Codes:
     scales[i, n, g] is the scale of row n's 32-k block 8 i + g (a 2 KB box; from [N, K / 32] row-major scales a box
     reads 16 bytes per row: 12% of the pipeline's own bandwidth floor on the H200). K_pad is K rounded up to a
     multiple of `TILE_K`; the padding holds zero codes and zero scales, and x is padded with zeros to match, so
-    every padded term of the product is 0 * 0. k: the logical K (static)."""
+    every padded term of the product is 0 * 0. N is padded likewise to N_pad, a multiple of `TILE_N` (zero rows:
+    e.g. a Gated DeltaNet in_proj, N = 12352, whose last 64 columns are its b and a heads), and the product's padded
+    columns are sliced off; a column's dot product never meets another's, so the others keep their bits.
+    k, n: the logical K and N (static)."""
 
     codes: jax.Array
     scales: jax.Array
     k: int = dataclasses.field(metadata=dict(static=True))
+    n: int = dataclasses.field(metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:
         """Logical (K, N)."""
-        return (self.k, self.codes.shape[1])
+        return (self.k, self.n)
 
     @property
     def nbytes(self) -> int:
@@ -141,9 +146,17 @@ STORED_K = np.array([8 * ((p % 8) % 4) + 2 * (p // 8) + (p % 8) // 4 for p in ra
 TILE_K = 256  # k per pipeline step (128 code bytes per row, one 128B swizzle); Int4Codes pad K to a multiple of it
 
 
+TILE_N = Config().tile_rows  # weight rows of the default (narrow) tile, 128; Int4Codes pad N to a multiple of it
+
+
 def padded_k(k: int) -> int:
     """K rounded up to a multiple of TILE_K: the K of the codes `prepare_codes` makes for a weight of K rows."""
     return -(-k // TILE_K) * TILE_K
+
+
+def padded_n(n: int) -> int:
+    """N rounded up to a multiple of TILE_N: the N of the codes `prepare_codes` makes for a weight of N columns."""
+    return -(-n // TILE_N) * TILE_N
 
 
 def prepare_codes(w: Int4Weight) -> Int4Codes:
@@ -153,15 +166,17 @@ def prepare_codes(w: Int4Weight) -> Int4Codes:
     q = unpack_codes(w)
     n, k = q.shape
     stored = q.reshape(n, k // BLOCK, BLOCK)[..., STORED_K].reshape(n, k)
-    codes = _step_major(stored.astype(jnp.int8) - 8, TILE_K)
-    return Int4Codes(codes.astype(jnp.int4), _step_major(w.scales, TILE_K // BLOCK), k)
+    rows = ((0, padded_n(n) - n), (0, 0))  # zero codes (q - 8 = 0) and zero scales
+    codes = _step_major(jnp.pad(stored.astype(jnp.int8) - 8, rows), TILE_K)
+    return Int4Codes(codes.astype(jnp.int4), _step_major(jnp.pad(w.scales, rows), TILE_K // BLOCK), k, n)
 
 
 def to_int4_weight(w: Int4Codes) -> Int4Weight:
     """The exact inverse of `prepare_codes`."""
     k, n = w.shape
-    stored = (_row_major(w.codes.astype(jnp.int8), k) + 8).astype(jnp.uint8).reshape(n, k // BLOCK, BLOCK)
-    return pack(stored[..., np.argsort(STORED_K)].reshape(n, k), _row_major(w.scales, k // BLOCK))
+    codes, scales = w.codes[:, :n], w.scales[:, :n]
+    stored = (_row_major(codes.astype(jnp.int8), k) + 8).astype(jnp.uint8).reshape(n, k // BLOCK, BLOCK)
+    return pack(stored[..., np.argsort(STORED_K)].reshape(n, k), _row_major(scales, k // BLOCK))
 
 
 def _step_major(a: jax.Array, per_step: int) -> jax.Array:
@@ -234,7 +249,8 @@ def tiles_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) ->
     xp = jnp.pad(x, ((0, tiles * ROW_TILE - r), (0, k_stored - k)))  # zero rows, zero k under the padded codes
     per = launch_tiles(cfg)
     ys = [_product(xp[i * ROW_TILE : (i + per) * ROW_TILE], w, cfg) for i in range(0, tiles, per)]
-    return first_rows(jnp.concatenate(ys) if len(ys) > 1 else ys[0], r)
+    y = first_rows(jnp.concatenate(ys) if len(ys) > 1 else ys[0], r)
+    return y if n == w.n else y[:, : w.n]  # the padded columns off
 
 
 def _product(xp: jax.Array, w: Int4Codes, cfg: Config) -> jax.Array:

@@ -14,8 +14,8 @@ reference product then runs on the stored halves with the same dots, giving the 
 every call.
 
 On the GPU, `prepare_ws` (what `Engine` does by default with bfloat16 activations) does the same kind of one-time
-preparation for the int4 weights: it replaces every symmetric one whose N fits the kernel's row tile by its `Int4Codes`
-(re-biased, K padded to the k tile) served by the warp-specialized Mosaic GPU kernel of
+preparation for the int4 weights: it replaces every symmetric one by its `Int4Codes`
+(re-biased, K padded to the k tile, N to the weight tile) served by the warp-specialized Mosaic GPU kernel of
 `pallas_kernels.int4_ws`, faster than the Triton row-tile kernel on every measured shape (docs/kernels.md).
 The jnp reference product takes `Int4Codes` too, with the bits of the `Int4Weight` they came from.
 """

@@ -2,7 +2,7 @@
 
 "reference" (CPU): every Int4Weight becomes its `Int4Halves` (dequantized once: 2 or 4 bytes a weight instead of
 0.5, the same bits as dequantizing in every step). "pallas" (GPU) with bfloat16 activations: every symmetric one
-whose N fits the Mosaic GPU kernel becomes its `Int4Codes` (re-ordered for that kernel, K padded to 256).
+becomes its `Int4Codes` (re-ordered for the Mosaic GPU kernel, K padded to 256 and N to 128).
 `resolve_prepare` is what `jspec.Engine(prepare=None)` does: prepare by default unless the copy would not fit, and
 then say so in a warning (the slower path is never taken silently).
 """
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.int4 import Int4Weight, dequantize_halves
-from pallas_kernels.int4_ws import fits, padded_k, prepare_codes
+from pallas_kernels.int4_ws import padded_k, padded_n, prepare_codes
 from pallas_kernels.matmul import Int4Halves
 
 
@@ -36,8 +36,8 @@ def prepare_reference(params, dtype):
 
 
 def prepare_ws(params):
-    """params with every symmetric Int4Weight whose N fits the Mosaic GPU kernel's 128-row tile replaced by its
-    Int4Codes (K padded to a multiple of the 256-k tile: e.g. GLM-4-9B's down, K = 13696). On the H200
+    """params with every symmetric Int4Weight replaced by its Int4Codes (K padded to a multiple of the 256-k tile:
+    e.g. GLM-4-9B's down, K = 13696; N to a multiple of the 128-row tile: e.g. a Gated DeltaNet in_proj). On the H200
     that kernel beat the Triton row-tile kernel on every Qwen2.5-7B / 14B linear shape: 1.28-1.58x on gate_up,
     down, lm_head (benchmarks/results/int4_matmul_h200.json) and 1.15-1.49x on qkv and o (same-process runs;
     docs/kernels.md)."""
@@ -45,16 +45,16 @@ def prepare_ws(params):
 
 
 def _takes_ws(w: Int4Weight) -> bool:
-    k, n = w.shape
-    return w.zeros is None and fits(padded_k(k), n)
+    return w.zeros is None  # any shape: prepare_codes pads K and N to the kernel's tiles
 
 
 def ws_prep_nbytes(params) -> int:
-    """Device bytes `prepare_ws(params)` needs: a copy of the codes it converts, K padded (the caller keeps the
+    """Device bytes `prepare_ws(params)` needs: a copy of the codes it converts, K and N padded (the caller keeps the
     originals), plus the largest conversion's temporaries (~3 bytes a weight: unpacked, re-biased, re-packed)."""
     taken = [w for w in jax.tree.leaves(params, is_leaf=_is_int4) if _is_int4(w) and _takes_ws(w)]
-    copies = sum(w.nbytes * padded_k(w.shape[0]) // w.shape[0] for w in taken)  # an Int4Weight's bytes scale with K
-    return copies + max((3 * padded_k(w.shape[0]) * w.shape[1] for w in taken), default=0)
+    padded = [(w, padded_k(w.shape[0]) * padded_n(w.shape[1])) for w in taken]
+    copies = sum(w.nbytes * size // (w.shape[0] * w.shape[1]) for w, size in padded)  # bytes scale with K N
+    return copies + max((3 * size for _, size in padded), default=0)
 
 
 def prepared_nbytes(params, dtype) -> int:

@@ -46,8 +46,9 @@ def test_quick_step_costs(quick):
     for m in models.values():
         decode = m["decode"]
         assert decode["time_s"] > 0 and m["compiles_during_timing"] == 0 and m["num_compiles"] >= 2
-        assert decode["bytes"]["total"] == decode["bytes"]["weights"] + decode["bytes"]["cache"]
-        assert decode["bytes"]["weights"] > 0 < decode["bytes"]["cache"]
+        b = decode["bytes"]
+        assert b["total"] == b["weights"] + b["cache"] and b["state_writes"] == 0  # dense: no recurrent states
+        assert b["weights"] > 0 < b["cache"]
         assert decode["roofline_fraction"] == pytest.approx(
             decode["achieved_Bps"] / data["sections"]["roofline"]["roofline_Bps"]
         )
@@ -110,6 +111,10 @@ def test_quick_peer_targets_plots_and_table(quick, capsys):
     model = hybrid["models"]["qwen3.5"]
     assert model["status"] == "done" and model["verify"]["3"]["bitwise_equal_decode"]
     assert model["recurrent"]["rows_bit_identical"] and model["recurrent"]["fixed_s"] is not None
+    assert model["recurrent"]["in_step"] is None  # no GPU profiles on a CPU
+    decode_bytes, verify_bytes = model["decode"]["bytes"], model["verify"]["3"]["bytes"]
+    assert 0 < 4 * decode_bytes["state_writes"] == verify_bytes["state_writes"]  # one post-state kept a row
+    assert verify_bytes["total"] == sum(verify_bytes[key] for key in ("weights", "cache", "state_writes"))
     e2e = hybrid["e2e"]
     assert e2e["status"] == "done" and e2e["lookup k=3"]["mean_accepted"] > 1
     assert all(e2e[label]["identical"] for label in ("lookup k=3", "mtp k=3"))

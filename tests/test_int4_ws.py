@@ -30,14 +30,14 @@ def _weight(k, n, seed=0, symmetric=True):
 def test_codes_are_q_minus_8_in_stored_order_and_round_trip():
     w = _weight(256, 64, seed=1)
     c = prepare_codes(w)
-    assert c.codes.dtype == jnp.int4 and c.codes.shape == (1, 64, 256) and c.shape == w.shape  # one k step
+    assert c.codes.dtype == jnp.int4 and c.codes.shape == (1, 128, 256) and c.shape == w.shape  # one k step
     q = np.asarray(unpack_codes(w), np.int32).reshape(64, 8, 32)
-    stored = np.asarray(c.codes.astype(jnp.int32))[0].reshape(64, 8, 32)
+    stored = np.asarray(c.codes.astype(jnp.int32))[0, :64].reshape(64, 8, 32)
     for p, k in enumerate([0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26]):  # thread 0's 8 k, then thread 1's first 4
         assert np.array_equal(stored[..., p], q[..., k] - 8)
     assert sorted(int4_ws.STORED_K) == list(range(32))
     assert np.array_equal(np.sort(stored, axis=-1), np.sort(q - 8, axis=-1))
-    assert c.nbytes == w.nbytes
+    assert c.nbytes == 2 * w.nbytes  # N padded from 64 to 128
     back = to_int4_weight(c)
     assert np.array_equal(np.asarray(back.packed), np.asarray(w.packed))
     assert np.array_equal(bits(back.scales), bits(w.scales)) and back.zeros is None
@@ -66,6 +66,24 @@ def test_codes_pad_k_to_the_k_tile_with_zero_codes_and_scales():
         assert np.array_equal(bits(f(x[:5], w)), bits(f(x[:5], c)))  # row-tile path
 
 
+def test_codes_pad_n_to_the_weight_tile_and_the_product_drops_the_padded_columns():
+    """A Gated DeltaNet in_proj's N (q, k, v, z heads, then 2 x 32 b and a columns) is no multiple of the 128-row
+    tile: zero rows pad it, the round trip and every product give the unpadded weight's bits."""
+    w = _weight(256, 200, seed=14)
+    c = prepare_codes(w)
+    assert c.shape == (256, 200) and c.codes.shape == (1, 256, 256) and c.scales.shape == (1, 256, 8)
+    assert not np.asarray(c.codes[:, 200:].astype(jnp.int32)).any() and not np.asarray(c.scales[:, 200:]).any()
+    assert ws_prep_nbytes({"w": w}) == w.nbytes * 256 // 200 + 3 * 256 * 256
+    back = to_int4_weight(c)
+    assert np.array_equal(np.asarray(back.packed), np.asarray(w.packed)) and back.shape == w.shape
+    assert np.array_equal(bits(back.scales), bits(w.scales))
+    x = jnp.asarray(np.random.default_rng(15).standard_normal((24, 256)), jnp.bfloat16)
+    f = jax.jit(lambda x, w: linear(x, w, out_dtype=jnp.float32))
+    assert f(x, c).shape == (24, 200) and np.array_equal(bits(f(x, w)), bits(f(x, c)))  # prefill path
+    with backend.use_backend("reference"):
+        assert np.array_equal(bits(f(x[:5], w)), bits(f(x[:5], c)))  # row-tile path
+
+
 def test_asymmetric_weights_are_refused():
     with pytest.raises(ValueError, match="symmetric int4 weights only"):
         prepare_codes(_weight(64, 32, symmetric=False))
@@ -90,18 +108,18 @@ def test_row_tile_path_reference_serves_codes_interpret_refuses():
         linear(x, prepare_codes(w))
 
 
-def test_prepare_ws_takes_the_symmetric_weights_that_fit_the_kernel():
+def test_prepare_ws_takes_every_symmetric_weight():
     params = {
         "gate_up": _weight(256, 1024, seed=4),
         "down": _weight(256, 512, seed=5),
         "asym": _weight(256, 1024, seed=6, symmetric=False),
         "odd_k": _weight(288, 1024, seed=7),  # K not a multiple of the 256-k tile: padded
-        "odd_n": _weight(256, 1056, seed=7),  # N not a multiple of the 128-row tile
+        "odd_n": _weight(256, 1056, seed=7),  # N not a multiple of the 128-row tile: padded
         "norm": jnp.ones((8,)),
     }
     out = prepare_ws(params)
-    assert all(isinstance(out[k], Int4Codes) for k in ("gate_up", "down", "odd_k"))
-    assert all(isinstance(out[k], Int4Weight) for k in ("asym", "odd_n"))
+    assert all(isinstance(out[k], Int4Codes) for k in ("gate_up", "down", "odd_k", "odd_n"))
+    assert isinstance(out["asym"], Int4Weight)
     assert out["norm"] is params["norm"]
 
 
@@ -280,3 +298,19 @@ def test_gpu_several_row_tiles_per_launch_give_each_tile_its_own_bits(k, n, conf
     for r in (17, 32, 48, 64, 80):
         y = np.asarray(jax.jit(lambda x, c: int4_ws.tiles_matmul(x, c, config=config))(x[:r], c))
         assert np.array_equal(bits(y), bits(alone[:r])), f"R={r}: a row differs from its tile alone"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
+@pytest.mark.parametrize("k,n", [(1280, 1056), (4096, 12352)])  # 12352: Qwen3.5's Gated DeltaNet in_proj
+def test_gpu_padded_n_gives_the_columns_of_the_unpadded_tile_bits(k, n):
+    # N padded to whole 128-row tiles: a column's bits are those of the same column of a weight whose padding
+    # columns hold real codes (the same stored N, hence the same partition), at every M
+    full = np.random.default_rng(16).standard_normal((k, int4_ws.padded_n(n))).astype(np.float32)
+    cut, whole = prepare_codes(quantize(full[:, :n], symmetric=True)), prepare_codes(quantize(full, symmetric=True))
+    x = jnp.asarray(np.random.default_rng(17).standard_normal((16, k)), jnp.bfloat16)
+    ms = list(range(1, 17))
+    f = jax.jit(lambda x, c: [int4_ws.rows_matmul(x[:m], c) for m in ms])
+    ys, refs = [np.asarray(y) for y in f(x, cut)], [np.asarray(y) for y in f(x, whole)]
+    for m, y, ref in zip(ms, ys, refs, strict=True):
+        assert y.shape == (m, n) and np.array_equal(bits(y), bits(ref[:, :n])), f"M={m}: a column differs"
+        assert np.array_equal(bits(y), bits(ys[-1][:m])), f"row mismatch between M={m} and M=16"

@@ -5,9 +5,10 @@ depth, random int4 weights (`shapes.HYBRID_MODELS`: transformers' Qwen3.5 text s
 1. Steps, each model in --models: decode_step and verify_step(k), k = 1, 2, 3, at --context (`steps.measure_steps`:
    time, bytes, % of the roofline, verify / decode, GPU kernel groups, verify rows == decode rows bitwise; the
    dense sections' `--ks` do not apply).
-2. The recurrent kernel alone (`pallas_kernels.recurrent.gdn_rows`) on one layer's candidate states: time per call
-   at 1 .. 4 rows (GPU kernel time on the GPU, else the wall of chained calls), its fixed cost (the intercept of a
-   line through those times) and the state bytes it reads per row.
+2. The recurrent kernel (`pallas_kernels.recurrent.gdn_rows`) alone on one layer's candidate states (donated, as
+   in a step): time per call at 1 .. 4 rows (its GPU kernel time on the GPU, else the wall of chained calls), its
+   fixed cost (the intercept of a line through those times) and the state bytes it reads per row; on the GPU also
+   the same from inside the measured steps (their kernel group over their Gated DeltaNet layers).
 3. End to end on the on-device loop, the last model measured: greedy, prompt lookup (k = 3) on an echo prompt, and
    the random MTP head drafting k = 1, 2, 3 (its acceptance says nothing, its cost does), decode tok/s as (n minus
    1) new tokens over the wall of n minus that of 1; tokens against greedy (an identity check); an MTP round's cost
@@ -49,7 +50,9 @@ def section_hybrid(ctx: Context, sec: dict) -> None:
     _steps_for_models(ctx, sec, names, ks, keep=names[-1] if names else None)
     done = [n for n in names if sec["models"][n].get("status") == "done"]
     for name in done:
-        r = sec["models"][name]["recurrent"] = recurrent_cost(model_config(name, opts.quick), 3 if opts.quick else 50)
+        cfg = model_config(name, opts.quick)
+        r = sec["models"][name]["recurrent"] = recurrent_cost(cfg, 3 if opts.quick else 50)
+        r["in_step"] = in_step_recurrent(sec["models"][name], cfg)
         print(f"  {name} recurrent kernel: {_recurrent_line(r)}", flush=True)
         ctx.report.save()
     last = names[-1] if names else None
@@ -69,40 +72,50 @@ def section_hybrid(ctx: Context, sec: dict) -> None:
 
 
 def recurrent_cost(cfg, calls: int) -> dict:
-    """`gdn_rows` alone on one layer's ROW_TILE candidate states: seconds per call at 1 .. 4 rows, the fixed cost
-    (intercept of the least-squares line over rows), state bytes per row, and row invariance (one call over 4 rows
-    == 4 chained one-row calls, bits)."""
+    """`gdn_rows` alone on one layer's ROW_TILE candidate states, donated and chained as in a step (an undonated
+    call makes XLA copy all ROW_TILE states first: on the H200 that copy was 15-25 us of a ~20-28 us call): seconds
+    per call at 1 .. 4 rows (on the GPU the kernel's own time, XLA profiler; else the wall of chained calls), the
+    fixed cost (intercept of the least-squares line over rows), state bytes per row, and row invariance (one call
+    over 4 rows == 4 chained one-row calls, bits)."""
     rng = np.random.default_rng(0)
     h, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    states = jnp.asarray(rng.normal(size=(ROW_TILE, h, dk, dv)).astype(np.float32))
+    states0 = rng.normal(size=(ROW_TILE, h, dk, dv)).astype(np.float32)
     q = l2_normalize(jnp.asarray(rng.normal(size=(ROW_TILE, h, dk)).astype(np.float32))) * dk**-0.5
     k = l2_normalize(jnp.asarray(rng.normal(size=(ROW_TILE, h, dk)).astype(np.float32)))
     v = jnp.asarray(rng.normal(size=(ROW_TILE, h, dv)).astype(np.float32))
     g = -jnp.asarray(rng.uniform(0, 0.5, (ROW_TILE, h)).astype(np.float32))
     beta = jnp.asarray(rng.uniform(0, 1, (ROW_TILE, h)).astype(np.float32))
     slot = jnp.zeros((), jnp.int32)  # a traced argument, as DecodeState.slot in the steps
-    fns = {rows: jax.jit(functools.partial(gdn_rows, rows=rows)) for rows in (1, 2, 3, 4)}
-    out = {"state_bytes_per_row": int(states[0].nbytes), "seconds": {}, "source": "wall of chained calls"}
+    fns = {rows: jax.jit(functools.partial(gdn_rows, rows=rows), donate_argnums=0) for rows in (1, 2, 3, 4)}
     on_gpu = jax.default_backend() == "gpu"
+    source = "GPU kernel time of jspec_gdn_rows (XLA profiler), best of 3" if on_gpu else "wall of chained calls"
+    out = {"state_bytes_per_row": int(states0[0].nbytes), "seconds": {}, "source": source, "donated": True}
+
+    def chain(fn, states, n):
+        for _ in range(n):
+            states, res = fn(states, slot, q, k, v, g, beta)
+        return jax.block_until_ready((states, res))[0]
+
     for rows, fn in fns.items():
-        jax.block_until_ready(fn(states, slot, q, k, v, g, beta))
+        states = chain(fn, jnp.asarray(states0), 2)  # compile, warm
         if on_gpu:
-            run = functools.partial(fn, states, slot, q, k, v, g, beta)
-            us = [kernel_times(profile(lambda r=run: jax.block_until_ready(r())), 1)["kernel_us"] for _ in range(3)]
+            us = []
+            for _ in range(3):
+                box = [states]
+                trace = profile(lambda fn=fn, box=box: box.append(chain(fn, box.pop(), calls)))
+                states = box[0]
+                us.append(kernel_times(trace, calls)["groups_us"]["recurrent"])
             out["seconds"][str(rows)] = 1e-6 * min(us)
-            out["source"] = "GPU kernel time (XLA profiler), best of 3"
         else:
             t0 = time.perf_counter()
-            for _ in range(calls):
-                res = fn(states, slot, q, k, v, g, beta)
-            jax.block_until_ready(res)
+            states = chain(fn, states, calls)
             out["seconds"][str(rows)] = (time.perf_counter() - t0) / calls
     rows = np.arange(1, 5)
     slope, intercept = np.polyfit(rows, [out["seconds"][str(r)] for r in rows], 1)
     out.update(fixed_s=float(intercept), per_row_s=float(slope))
     out["per_row_Bps"] = out["state_bytes_per_row"] / slope if slope > 0 else None
-    all_states, all_out = fns[4](states, slot, q, k, v, g, beta)
-    s, same = states, True
+    all_states, all_out = fns[4](jnp.asarray(states0), slot, q, k, v, g, beta)
+    s, same = jnp.asarray(states0), True
     for i in range(4):
         s, o = fns[1](s, slot, *(jnp.roll(x, -i, axis=0) for x in (q, k, v, g, beta)))
         same &= np.array_equal(bits(o[0]), bits(all_out[i])) and np.array_equal(bits(s[0]), bits(all_states[i]))
@@ -110,10 +123,34 @@ def recurrent_cost(cfg, calls: int) -> dict:
     return out
 
 
+def in_step_recurrent(model: dict, cfg) -> dict | None:
+    """The recurrent kernel's time per call inside the measured steps (decode: 1 row, verify k: k + 1 rows), from
+    their GPU kernel groups over the step's Gated DeltaNet layers, and the fixed cost of a line through them; None
+    without GPU profiles."""
+    calls = sum(kind == "linear_attention" for kind in cfg.layer_types)
+    steps = {1: model.get("decode", {})} | {int(k) + 1: v for k, v in model.get("verify", {}).items()}
+    us = {r: s["gpu_kernels"]["groups_us"].get("recurrent") for r, s in steps.items() if "gpu_kernels" in s}
+    us = {r: t for r, t in us.items() if t is not None}
+    if len(us) < 2 or not calls:
+        return None
+    rows = sorted(us)
+    slope, intercept = np.polyfit(rows, [us[r] / calls for r in rows], 1)
+    return {
+        "seconds": {str(r): 1e-6 * us[r] / calls for r in rows},
+        "calls_per_step": calls,
+        "fixed_s": 1e-6 * float(intercept),
+        "per_row_s": 1e-6 * float(slope),
+        "source": "the steps' GPU kernel group 'recurrent' over their Gated DeltaNet layers",
+    }
+
+
 def _recurrent_line(r: dict) -> str:
-    times = ", ".join(f"{rows} rows {s * 1e6:.1f} us" for rows, s in r["seconds"].items())
-    fit = f"fixed {r['fixed_s'] * 1e6:.1f} us, per row {r['per_row_s'] * 1e6:.1f} us"
-    return f"{times}; {fit}; rows bit-identical {r['rows_bit_identical']}"
+    def fit(r):
+        times = ", ".join(f"{rows} rows {s * 1e6:.1f} us" for rows, s in r["seconds"].items())
+        return f"{times}; fixed {r['fixed_s'] * 1e6:.1f} us, per row {r['per_row_s'] * 1e6:.1f} us"
+
+    step = f"; in the steps: {fit(r['in_step'])}" if r.get("in_step") else ""
+    return f"alone: {fit(r)}{step}; rows bit-identical {r['rows_bit_identical']}"
 
 
 def _device_decode_rate(engine: Engine, prompt, n: int, repeats: int, **kwargs) -> tuple[list[int], dict]:

@@ -20,7 +20,7 @@ from jspec.config import ModelConfig
 from jspec.models import family_module, quantize_linears
 from jspec.models.mtp import init_mtp_params
 from jspec.state import init_state, physical_length
-from pallas_kernels import Int4Codes, Int4Halves, Int4Weight, quantize
+from pallas_kernels import ROW_TILE, Int4Codes, Int4Halves, Int4Weight, quantize
 
 # transformers' Qwen3_5TextConfig() defaults (the Qwen3.5 text shape, 3 Gated DeltaNet : 1 gated attention, 9.0B
 # parameters), with one MTP layer
@@ -217,22 +217,31 @@ def tree_nbytes(tree) -> int:
 
 
 def step_bytes(params: dict, cfg, state, rows: int) -> dict:
-    """HBM bytes one step reads: every weight but the embedding table (+ one embedding row; the whole table when
-    the lm_head is tied), and the cache: KV rows 0..position + rows - 1 of every attention layer (the row tile's
-    reach), recurrent states in full. The MTP head is not read by decode/verify."""
+    """HBM bytes a step of `rows` rows (1: decode, k + 1: verify) moves: every weight but the embedding table (+ one
+    embedding row; the whole table when the lm_head is tied), the KV rows 0..position + ROW_TILE - 1 of every
+    attention layer (the row tile's reach, whatever `rows`), and of every recurrent layer the one candidate state it
+    starts from (read) and the `rows` post-states it keeps (`state_writes`); the other candidate slots are not
+    touched. The MTP head is not read by decode/verify."""
     weights = sum(tree_nbytes(v) for key, v in params.items() if key not in ("embed", "mtp"))
     embed = params["embed"]
     weights += embed.nbytes if "lm_head" not in params else cfg.hidden_size * embed.dtype.itemsize
 
     length = physical_length(state.max_len)
-    reach = min(int(state.position) + rows, length)
-    cache = 0
+    reach = min(int(state.position) + ROW_TILE, length)
+    cache = writes = 0
     for leaf in jax.tree.leaves(state.cache):
         if leaf.ndim >= 1 and leaf.shape[0] == length:
             cache += reach * (leaf.nbytes // length)
-        else:
-            cache += leaf.nbytes
-    return {"weights": int(weights), "cache": int(cache), "total": int(weights + cache)}
+        else:  # a recurrent layer's ROW_TILE candidate slots (ssm state, conv window)
+            per_slot = leaf.nbytes // leaf.shape[0]
+            cache += per_slot
+            writes += rows * per_slot
+    return {
+        "weights": int(weights),
+        "cache": int(cache),
+        "state_writes": int(writes),
+        "total": int(weights + cache + writes),
+    }
 
 
 def random_state(cfg, max_len: int, position: int, dtype, seed: int):

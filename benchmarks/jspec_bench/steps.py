@@ -81,14 +81,13 @@ def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: t
     print(f"  {name}: lowered in {entry['lower_s']:.1f} s, {len(built)} executables compiled (slowest {slowest:.1f} s)")
     roof = ctx.roofline_Bps
     entry.update(context=opts.context, roofline_Bps=roof, compiles_during_timing=0)
-    nbytes = step_bytes(params, cfg, base, ROW_TILE)  # decode and verify run the same row tile: same bytes
 
-    def timed(exec_, extra: tuple, weights=params) -> dict:
+    def timed(exec_, extra: tuple, weights=params, rows: int = 1) -> dict:
         state = copy_tree(base)
         count = ctx.compiles.count
         seconds, times, kernels = _time_chain(exec_, weights, state, extra, opts.reps, opts.trials, opts.warmup_s)
         entry["compiles_during_timing"] += ctx.compiles.count - count
-        read = nbytes if weights is params else step_bytes(weights, cfg, base, ROW_TILE)
+        read = step_bytes(weights, cfg, base, rows)
         out = {"time_s": seconds, "trial_times_s": times, "bytes": read, "achieved_Bps": read["total"] / seconds}
         if kernels:
             out["gpu_kernels"] = kernels
@@ -106,7 +105,7 @@ def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: t
         print(f"  {name} decode on unprepared weights {raw_entry['time_s'] * 1e3:.3f} ms {_pct(raw_entry)}")
     entry["verify"] = {}
     for k in ks:
-        v = timed(execs[f"verify{k}"], (jnp.asarray(drafts[k]),))
+        v = timed(execs[f"verify{k}"], (jnp.asarray(drafts[k]),), rows=k + 1)
         v["ratio_vs_decode"] = v["time_s"] / decode_s
         v["break_even_mean_accepted"] = v["ratio_vs_decode"]
         v.update(_bitwise_check(params, execs, k, base, drafts[k]))

@@ -168,14 +168,22 @@ def _hybrid_targets(models: dict, add) -> None:
         if worst is None
         else f"{worst}: bitwise {'equal' if v['bitwise_equal_decode'] else 'DIFFERENT'}",
     )
-    fixed = {n: m["recurrent"]["fixed_s"] for n, m in done.items() if "recurrent" in m}
-    worst = max(fixed, key=fixed.get) if fixed else None
+    fits = {  # (model, "alone" or "in the steps") -> that measurement of the kernel's fixed cost
+        (n, where): r
+        for n, m in done.items()
+        if "recurrent" in m
+        for where, r in (("alone", m["recurrent"]), ("in the steps", m["recurrent"].get("in_step")))
+        if r
+    }
+    worst = max(fits, key=lambda key: fits[key]["fixed_s"]) if fits else None
     add(
         "recurrent kernel fixed cost per call < 10 us",
         TARGETS["recurrent_fixed_s"],
-        fixed.get(worst),
-        None if worst is None else fixed[worst] < TARGETS["recurrent_fixed_s"],
-        "not measured" if worst is None else f"{worst}: {done[worst]['recurrent']['source']}",
+        fits[worst]["fixed_s"] if worst else None,
+        None if worst is None else fits[worst]["fixed_s"] < TARGETS["recurrent_fixed_s"],
+        "not measured"
+        if worst is None
+        else f"the worst of {len(fits)} fits, {worst[0]} {worst[1]}: {fits[worst]['source']}",
     )
 
 
