@@ -13,8 +13,11 @@ Pipeline (one command, time-budgeted):
      (`pallas_kernels.quantize`) and its agreement with the float model, `checkpoints.save` of the int4 params
      together with tokenizer.json, metrics.json and MODEL_CARD.md.
 
-    python -m checkpoints.train_demo --out DIR --minutes 4 [--tokenizer tokenizer.json] [--size demo|tiny]
-        [--family qwen2|qwen3_5]
+    python -m checkpoints.train_demo --out DIR --minutes 4 [--tokenizer tokenizer.json] [--size demo|tiny|hybrid]
+        [--family qwen2|qwen3_5] [--float-dtype float32|bfloat16]
+
+The bundled models: `--size demo` (checkpoints/demo) and `--size hybrid --family qwen3_5 --float-dtype bfloat16
+--tokenizer checkpoints/demo/tokenizer.json` (checkpoints/demo_hybrid, the same tokenizer).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ EOS = "<|endoftext|>"
 SIZES = {
     "demo": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408),
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128),
+    # the bundled hybrid (--family qwen3_5 --float-dtype bfloat16): 19.5 M parameters, 15.5 MB stored
+    "hybrid": dict(hidden_size=384, num_layers=8, num_heads=6, num_kv_heads=2, intermediate_size=768),
 }
 RESIDUAL_OUTPUTS = ("o", "down", "out")  # projections writing into the residual stream (init scaled by depth)
 FAMILIES = ("qwen2", "qwen3_5")
@@ -251,6 +256,14 @@ def init_train_params(cfg: ModelConfig, key: jax.Array) -> dict:
     return jax.tree_util.tree_unflatten(treedef, [init(p, x, k) for (p, x), k in zip(leaves, keys, strict=True)])
 
 
+def stored_params(params: dict, float_dtype: str) -> dict:
+    """What is saved: every linear int4 (`quantize_linears`, from the float32 weights), every other float leaf
+    (embedding, norms, biases, Gated DeltaNet's decay, step bias and conv) in float_dtype. A bfloat16 embedding
+    makes the model run bfloat16 activations (the embedding's dtype)."""
+    int4 = quantize_linears(params)
+    return int4 if float_dtype == "float32" else cast_floats(int4, jnp.dtype(float_dtype))
+
+
 def count_params(tree) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
 
@@ -355,7 +368,8 @@ def heldout_windows(tokens: np.ndarray, seq_len: int, max_windows: int) -> np.nd
 
 
 def evaluate(params: dict, cfg: ModelConfig, windows: np.ndarray, batch: int) -> dict:
-    """Held-out next-token and MTP loss (float32 compute; params may hold Int4Weight)."""
+    """Held-out next-token and MTP loss, computed in the params' own activation dtype (their embedding's; params
+    may hold Int4Weight)."""
     fn = jax.jit(lambda p, w: model_losses(p, cfg, w))
     main, mtp = [], []
     for i in range(0, len(windows) - batch + 1, batch):
@@ -481,7 +495,7 @@ def model_card(m: dict) -> str:
         else ""
     )
     lines = [
-        "# jspec demo model",
+        "# jspec demo model" + (" (hybrid)" if cfg["layer_types"] else ""),
         "",
         f"A small {STYLES[cfg['family']]} code model trained by `python -m checkpoints.train_demo` on the Python",
         "sources of the training machine's interpreter. It exists to exercise jspec end to end (int4 weights, prompt",
@@ -500,7 +514,7 @@ def model_card(m: dict) -> str:
         f"- parameters: {m['params']['main'] / 1e6:.1f} M main model + {m['params']['mtp'] / 1e6:.1f} M MTP "
         f"(embedding {m['params']['embed'] / 1e6:.1f} M)",
         f"- stored: every linear ({linears}) int4 (symmetric, blocks of 32, bf16 "
-        f"scales); embedding, norms and biases float32. Checkpoint {m['checkpoint_bytes'] / 1e6:.1f} MB",
+        f"scales); embedding, norms and biases {m['float_dtype']}. Checkpoint {m['checkpoint_bytes'] / 1e6:.1f} MB",
         "",
         "## Data",
         "",
@@ -518,7 +532,7 @@ def model_card(m: dict) -> str:
         f"{tr['settings']['warmup']} warmup steps, cosine to {tr['settings']['final_lr_frac']} x peak; "
         f"{tr['settings']['compute_dtype']} compute, float32 master weights",
         "",
-        "## Evaluation (held-out, float32 compute)",
+        f"## Evaluation (held-out; float32 weights in float32, int4 as stored, in {m['float_dtype']} activations)",
         "",
         "| weights | next-token loss (nats) | MTP loss (token t+2) |",
         "| --- | --- | --- |",
@@ -580,7 +594,7 @@ def run(args) -> dict:
         log=log,
     )
 
-    int4 = quantize_linears(params)
+    int4 = stored_params(params, args.float_dtype)
     ckpt = os.path.join(args.out, "checkpoint")
     checkpoints.save(ckpt, int4, cfg)
     tok.save(os.path.join(ckpt, "tokenizer.json"))
@@ -638,6 +652,7 @@ def run(args) -> dict:
         samples=samples,
         samples_device=jax.devices()[0].device_kind,
         checkpoint_bytes=dir_bytes(ckpt),
+        float_dtype=args.float_dtype,
         device=jax.devices()[0].device_kind,
         jax_version=jax.__version__,
         total_seconds=time.perf_counter() - t_start,
@@ -679,6 +694,12 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer-only", action="store_true", help="train the tokenizer, write tokenizer.json, exit")
     p.add_argument("--size", choices=sorted(SIZES), default="demo")
     p.add_argument("--family", choices=FAMILIES, default="qwen2", help="qwen3_5: the Gated DeltaNet hybrid")
+    p.add_argument(
+        "--float-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the stored float leaves (embedding, norms, biases); the model runs its embedding's dtype",
+    )
     p.add_argument("--tokenizer", help="use this tokenizer.json instead of training one")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--tokenizer-files", type=int, default=4000, help="train files the tokenizer is trained on")

@@ -8,6 +8,7 @@ import os
 import sysconfig
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -124,7 +125,18 @@ def test_hybrid_trainer_learns_and_its_checkpoint_drafts_with_its_mtp_head(corpu
     as a qwen3_5 model whose MTP head drafts for it with greedy's tokens."""
     import jspec
 
-    argv = ["--out", str(tmp_path), "--minutes", "1", "--size", "tiny", "--family", "qwen3_5"]
+    argv = [
+        "--out",
+        str(tmp_path),
+        "--minutes",
+        "1",
+        "--size",
+        "tiny",
+        "--family",
+        "qwen3_5",
+        "--float-dtype",
+        "bfloat16",
+    ]
     argv += ["--roots", str(corpus_root), "--vocab-size", "400", "--batch", "4", "--seq-len", "32", "--lr", "5e-3"]
     argv += ["--warmup", "5", "--max-steps", "40", "--eval-windows", "2", "--eval-batch", "2", "--sample-tokens", "4"]
     argv += ["--heldout-permille", "300"]
@@ -135,6 +147,11 @@ def test_hybrid_trainer_learns_and_its_checkpoint_drafts_with_its_mtp_head(corpu
     assert (
         cfg.family == "qwen3_5" and cfg.num_mtp_layers == 1 and isinstance(params["layers"][0]["in_proj"], Int4Weight)
     )
+    floats = [x.dtype for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert set(floats) == {jnp.dtype(jnp.bfloat16)}  # --float-dtype bfloat16: the embedding, norms, scales
+    assert metrics["float_dtype"] == "bfloat16"
+    card = (tmp_path / "checkpoint" / "MODEL_CARD.md").read_text()
+    assert "(hybrid)" in card and "biases bfloat16" in card
     engine = jspec.Engine(params, cfg, max_len=32, k=2)
     prompt = list(range(1, 9))
     out = engine.generate(prompt, 16, drafter=jspec.MTPDrafter(), eos_id=())
