@@ -46,12 +46,17 @@ from jspec.models.mtp import init_mtp_params, mtp_forward
 from jspec.stats import common_prefix
 
 EOS = "<|endoftext|>"
-# Model sizes: hidden, layers, query heads, KV heads, MLP width.
+# Model sizes: hidden, layers, query heads, KV heads, MLP width; a hybrid's Gated DeltaNet (key, value) heads of
+# head_dim, by default (KV heads, query heads).
 SIZES = {
     "demo": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408),
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128),
-    # the bundled hybrid (--family qwen3_5 --float-dtype bfloat16): 19.5 M parameters, 15.5 MB stored
-    "hybrid": dict(hidden_size=384, num_layers=8, num_heads=6, num_kv_heads=2, intermediate_size=768),
+    # the bundled hybrid (--family qwen3_5 --float-dtype bfloat16): 19.6 M parameters with its MTP layer, 15.6 MB
+    # stored; Gated DeltaNet 4 key / 8 value heads (Qwen3.5's 1 : 2), so the in_proj's N (q k v z, then 8 b and 8 a
+    # columns) is a multiple of 16, as the Triton row-tile kernels need
+    "hybrid": dict(
+        hidden_size=384, num_layers=8, num_heads=6, num_kv_heads=2, intermediate_size=640, linear_heads=(4, 8)
+    ),
 }
 RESIDUAL_OUTPUTS = ("o", "down", "out")  # projections writing into the residual stream (init scaled by depth)
 FAMILIES = ("qwen2", "qwen3_5")
@@ -192,7 +197,8 @@ def demo_config(
     Qwen3.5-style hybrid of the same widths (every 4th layer gated attention, the last one at least; the others
     Gated DeltaNet with the attention's KV heads as key heads and its query heads as value heads, of head_dim),
     partial rotary 0.25, one Qwen3-Next-layout MTP layer."""
-    dims = SIZES[size]
+    dims = dict(SIZES[size])
+    key_heads, value_heads = dims.pop("linear_heads", (dims["num_kv_heads"], dims["num_heads"]))
     head_dim = dims["hidden_size"] // dims["num_heads"]
     common = dict(
         vocab_size=vocab_size,
@@ -218,8 +224,8 @@ def demo_config(
         layer_types=tuple("full_attention" if i in full else "linear_attention" for i in range(n)),
         attn_output_gate=True,
         norm_plus_one=True,
-        linear_num_key_heads=dims["num_kv_heads"],
-        linear_num_value_heads=dims["num_heads"],
+        linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads,
         linear_key_head_dim=head_dim,
         linear_value_head_dim=head_dim,
         linear_conv_kernel_dim=4,

@@ -120,6 +120,23 @@ def test_hybrid_train_params_layout():
     assert abs(float(np.std(np.asarray(linear["in_proj"]))) - 0.02) < 0.002
 
 
+def test_the_bundled_hybrid_size_fits_the_budget_and_every_gpu_row_tile_kernel():
+    """--size hybrid --float-dtype bfloat16: about 20 M parameters, under 16 MB stored (the repository's budget for
+    it), and every linear's N a multiple of 16 (the Triton row-tile kernels' rule, which float weights meet)."""
+    cfg = train_demo.demo_config(8192, "hybrid", family="qwen3_5")
+    assert cfg.layer_types.count("full_attention") == 2 and cfg.linear_num_value_heads == 8
+    floats = jax.eval_shape(lambda: train_demo.init_train_params(cfg, jax.random.PRNGKey(0)))
+    stored = jax.eval_shape(
+        lambda: train_demo.stored_params(train_demo.init_train_params(cfg, jax.random.PRNGKey(0)), "bfloat16")
+    )
+    assert 19e6 < train_demo.count_params(floats) < 21e6
+    assert sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(stored)) < 16e6
+    linears = [
+        w for w in jax.tree.leaves(stored, is_leaf=lambda x: isinstance(x, Int4Weight)) if isinstance(w, Int4Weight)
+    ]
+    assert linears and all(w.shape[1] % 16 == 0 for w in linears), sorted({w.shape[1] for w in linears})
+
+
 def test_hybrid_trainer_learns_and_its_checkpoint_drafts_with_its_mtp_head(corpus_root, tmp_path):
     """A tiny Qwen3.5-style hybrid trained jointly with its MTP layer: both losses fall; the int4 checkpoint loads
     as a qwen3_5 model whose MTP head drafts for it with greedy's tokens."""

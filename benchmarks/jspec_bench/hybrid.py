@@ -30,7 +30,7 @@ import numpy as np
 from jspec.drafters import MTPDrafter, PromptLookup
 from jspec.engine import Engine
 from jspec.exactness import bits
-from jspec_bench.e2e import echo_prompt, random_filler
+from jspec_bench.e2e import E2E_COMPILE_WEIGHT, echo_prompt, random_filler
 from jspec_bench.report import Context
 from jspec_bench.shapes import HYBRID_MODELS, model_config, scale_attention_output
 from jspec_bench.steps import _load_model, _steps_for_models
@@ -59,14 +59,15 @@ def section_hybrid(ctx: Context, sec: dict) -> None:
     if last not in done:
         ctx.kept.pop(last, None)
         return
-    why = ctx.budget.why_not(10.0 if opts.quick else 150.0, "hybrid end to end")
+    decode_s = sec["models"][last]["decode"]["time_s"]
+    why = ctx.budget.why_not(2 * _run_estimate(ctx, model_config(last, opts.quick), decode_s), "hybrid end to end")
     if why:
         ctx.kept.pop(last, None)
         sec["e2e"] = {"status": "skipped", "reason": why}
         return
     sec["e2e"] = {"model": last, "status": "running"}
     params, cfg, _ = _load_model(ctx, last)  # the steps' params, kept
-    end_to_end(ctx, sec["e2e"], last, params, cfg, ks)
+    end_to_end(ctx, sec["e2e"], last, params, cfg, ks, decode_s)
     params = None
     gc.collect()
 
@@ -177,7 +178,17 @@ def _device_decode_rate(engine: Engine, prompt, n: int, repeats: int, **kwargs) 
     }
 
 
-def end_to_end(ctx: Context, e2e: dict, name: str, params: dict, cfg, ks: tuple[int, ...]) -> None:
+def _run_estimate(ctx: Context, cfg, decode_s: float) -> float:
+    """Seconds one on-device configuration of `end_to_end` takes: its compile (as the steps' compiles so far
+    predict, weighted like e2e's on-device engines) and its 2 repeats + 2 generations of new_tokens at about the
+    decode step's time (the 27B-class shape's took ~60 s where a fixed 40 s was assumed)."""
+    compile_s = ctx.estimator.estimate(cfg.num_layers, E2E_COMPILE_WEIGHT[True])
+    return compile_s + (2 * (1 if ctx.opts.quick else 3) + 2) * ctx.opts.new_tokens * decode_s
+
+
+def end_to_end(ctx: Context, e2e: dict, name: str, params: dict, cfg, ks: tuple[int, ...], decode_s: float) -> None:
+    """Greedy, prompt lookup and MTP on the on-device loop into e2e (decode_s: the measured decode step, for the
+    budget)."""
     opts = ctx.opts
     repeats = 1 if opts.quick else 3
     params = scale_attention_output(params, opts.o_factor)
@@ -200,7 +211,7 @@ def end_to_end(ctx: Context, e2e: dict, name: str, params: dict, cfg, ks: tuple[
         runs = {f"lookup k={LOOKUP_K}": (LOOKUP_K, echo, want, PromptLookup())}
         runs.update({f"mtp k={k}": (k, filler, greedy, MTPDrafter()) for k in ks})
         for label, (k, prompt, expected, drafter) in runs.items():
-            why = ctx.budget.why_not(5.0 if opts.quick else 40.0, f"hybrid e2e {label}")
+            why = ctx.budget.why_not(_run_estimate(ctx, cfg, decode_s), f"hybrid e2e {label}")
             if why:
                 e2e[label] = {"status": "skipped", "reason": why}
                 continue
