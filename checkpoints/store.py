@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from checkpoints.hf import CheckpointError
+from jspec import tensor_parallel
 from jspec.config import ModelConfig
 from pallas_kernels.int4 import Int4Weight
 
@@ -42,8 +43,10 @@ def save(out_dir: str | os.PathLike, params, cfg: ModelConfig) -> None:
         json.dump(meta, f, indent=1)
 
 
-def load(ckpt_dir: str | os.PathLike) -> tuple[dict, ModelConfig]:
-    """Read what `save` wrote -> (params, cfg); arrays land on the default device."""
+def load(ckpt_dir: str | os.PathLike, mesh=None) -> tuple[dict, ModelConfig]:
+    """Read what `save` wrote -> (params, cfg); arrays land on the default device. mesh: a tensor-parallel mesh
+    (`jspec.tensor_parallel`): the arrays are restored into host memory (JAX's CPU device), then each shard is
+    placed on its device, so no accelerator holds more than its shards; the params come back stacked on it."""
     root = os.path.abspath(os.fspath(ckpt_dir))
     meta_path = os.path.join(root, META_FILE)
     try:
@@ -57,7 +60,10 @@ def load(ckpt_dir: str | os.PathLike) -> tuple[dict, ModelConfig]:
         )
     import orbax.checkpoint as ocp
 
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    cfg = ModelConfig.from_dict(meta["config"])
+    if mesh is not None:  # a bad mesh or sizes it cannot split raise before any array is read
+        tensor_parallel.shard_config(cfg, tensor_parallel.mesh_size(mesh))
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0] if mesh is None else _host_device())
     target = {}
     _collect_specs(meta["tree"], target, sharding)
     params_dir = os.path.join(root, PARAMS_DIR)
@@ -72,7 +78,18 @@ def load(ckpt_dir: str | os.PathLike) -> tuple[dict, ModelConfig]:
         raise CheckpointError(
             f"{params_dir}: cannot read {what}: its data file is missing or damaged (orbax: {first})"
         ) from e
-    return _decode(meta["tree"], arrays), ModelConfig.from_dict(meta["config"])
+    params = _decode(meta["tree"], arrays)
+    return (params if mesh is None else tensor_parallel.shard_params(params, cfg, mesh)), cfg
+
+
+def _host_device():
+    """JAX's CPU device, where `load(mesh=)` restores before placing the shards."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError as e:
+        raise RuntimeError(
+            "load(mesh=) restores into host memory first and needs JAX's CPU platform: include cpu in JAX_PLATFORMS"
+        ) from e
 
 
 def _check_stored(checkpointer, params_dir: str, target: dict, meta_path: str) -> None:

@@ -92,6 +92,7 @@ class Model:
     cfg: ModelConfig
     tokenizer: Any = None
     path: str | None = None
+    mesh: Any = None  # a tensor-parallel mesh the params are stacked on (jspec.tensor_parallel), or None
     _engine: Engine | None = dataclasses.field(default=None, repr=False)
 
     def encode(self, text: str) -> list[int]:
@@ -119,7 +120,7 @@ class Model:
         cached = self._engine
         if cached is None or cached.k != k or cached.max_len < max_len or cached.batch_size != batch_size:
             self._engine = None  # let the previous engine's prepared weights go first
-            self._engine = Engine(self.params, self.cfg, max_len=max_len, k=k, batch_size=batch_size)
+            self._engine = Engine(self.params, self.cfg, max_len=max_len, k=k, batch_size=batch_size, mesh=self.mesh)
         return self._engine
 
     def generate_batch(
@@ -225,21 +226,24 @@ def checkpoint_config(root: str | os.PathLike) -> ModelConfig:
         raise ValueError(f"cannot read the config in {root / 'jspec.json'}: {e}") from e
 
 
-def load(checkpoint: str | os.PathLike | None = None, dtype: str | None = None, quantize: str | None = None) -> Model:
+def load(
+    checkpoint: str | os.PathLike | None = None, dtype: str | None = None, quantize: str | None = None, mesh=None
+) -> Model:
     """A Model from a jspec (orbax) checkpoint directory (jspec.json inside), a HuggingFace safetensors directory
     (config.json inside; dtype default "bfloat16", quantize None | "int4"), or None / "demo": the bundled demo.
-    The directory's tokenizer.json, when present, becomes the Model's tokenizer."""
+    The directory's tokenizer.json, when present, becomes the Model's tokenizer. mesh: a tensor-parallel mesh
+    (`jspec.tensor_parallel`): each shard is loaded onto its device and the Model's engines run on the mesh."""
     ckpt = checkpoints_package()
     root = Path(resolve_checkpoint(checkpoint))
     if checkpoint_kind(root) == "jspec":
         if quantize or dtype:
             raise ValueError(f"{root} is a jspec checkpoint (already converted): dtype and quantize apply to HF ones")
-        params, cfg = ckpt.load(root)
+        params, cfg = ckpt.load(root, mesh=mesh)
     else:
-        params, cfg = ckpt.load_hf(root, dtype=dtype or "bfloat16", quantize=quantize)
+        params, cfg = ckpt.load_hf(root, dtype=dtype or "bfloat16", quantize=quantize, mesh=mesh)
     tokenizer = None
     if (root / "tokenizer.json").exists():
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
-    return Model(params, cfg, tokenizer, os.fspath(root))
+    return Model(params, cfg, tokenizer, os.fspath(root), mesh)

@@ -202,6 +202,36 @@ def test_load_hf_places_each_shard_on_its_device(tmp_path, monkeypatch, variant,
 
 
 @mesh_only
+def test_jspec_load_on_a_mesh_places_the_shards_and_its_model_generates_on_it(tmp_path):
+    """checkpoints.load(mesh=) (an orbax checkpoint, restored into host memory) and load_hf(mesh=) through
+    jspec.load give the shards of shard_params; the Model's engine runs on the mesh, its tokens those of an Engine
+    on the same mesh, speculative == greedy."""
+    cfg, params = _model("qwen2")
+    checkpoints.save(tmp_path / "ckpt", params, cfg)
+    mesh = _mesh(2)
+    model = jspec.load(tmp_path / "ckpt", mesh=mesh)
+    want = tensor_parallel.shard_params(params, cfg, mesh)
+    for got, ref in zip(jax.tree.leaves(model.params), jax.tree.leaves(want), strict=True):
+        assert got.shape[0] == 2 and got.sharding == ref.sharding
+        assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(ref).view(np.uint8))
+    greedy = model.generate(PROMPT, NEW, eos_id=(), max_len=MAX_LEN)
+    assert model.engine(MAX_LEN).mesh is mesh
+    same = jspec.Engine(want, cfg, max_len=MAX_LEN, k=4, mesh=mesh).generate(PROMPT, NEW, eos_id=())
+    assert greedy.tokens == same.tokens
+    lookup = model.generate(PROMPT, NEW, eos_id=(), max_len=MAX_LEN, drafter=jspec.PromptLookup())
+    assert lookup.tokens == greedy.tokens and lookup.stats.verify_steps > 0
+    build_tiny_hf_model("qwen2", tmp_path / "hf", num_key_value_heads=4)
+    hf = jspec.load(tmp_path / "hf", dtype="float32", mesh=mesh)
+    ref = tensor_parallel.shard_params(*checkpoints.load_hf(tmp_path / "hf"), mesh)
+    assert all(
+        np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+        for a, b in zip(jax.tree.leaves(hf.params), jax.tree.leaves(ref), strict=True)
+    )
+    with pytest.raises(ValueError, match=r"^tensor parallelism over 3 devices"):
+        jspec.load(tmp_path / "ckpt", mesh=jax.make_mesh((3,), (tensor_parallel.AXIS,), devices=jax.devices()[:3]))
+
+
+@mesh_only
 def test_sizes_not_divisible_by_the_mesh_raise_naming_them():
     mesh = _mesh(4)
     cfg = tiny_config("qwen2", vocab_size=98)  # 2 KV heads, vocab 98
