@@ -100,12 +100,12 @@ def recurrent_cost(cfg, calls: int) -> dict:
     for rows, fn in fns.items():
         states = chain(fn, jnp.asarray(states0), 2)  # compile, warm
         if on_gpu:
-            us = []
-            for _ in range(3):
-                box = [states]
-                trace = profile(lambda fn=fn, box=box: box.append(chain(fn, box.pop(), calls)))
-                states = box[0]
-                us.append(kernel_times(trace, calls)["groups_us"]["recurrent"])
+
+            def run(fn=fn):
+                nonlocal states  # donated: each call's states feed the next
+                states = chain(fn, states, calls)
+
+            us = [kernel_times(profile(run), calls)["groups_us"]["recurrent"] for _ in range(3)]
             out["seconds"][str(rows)] = 1e-6 * min(us)
         else:
             t0 = time.perf_counter()
@@ -178,21 +178,27 @@ def _device_decode_rate(engine: Engine, prompt, n: int, repeats: int, **kwargs) 
     }
 
 
+def _e2e_sizes(opts) -> tuple[int, int, int]:
+    """(repeats, new tokens, filler prompt length) of `end_to_end`'s runs."""
+    return (1, 8, 16) if opts.quick else (3, opts.new_tokens, opts.prompt_len)
+
+
 def _run_estimate(ctx: Context, cfg, decode_s: float) -> float:
     """Seconds one on-device configuration of `end_to_end` takes: its compile (as the steps' compiles so far
-    predict, weighted like e2e's on-device engines) and its 2 repeats + 2 generations of new_tokens at about the
-    decode step's time (the 27B-class shape's took ~60 s where a fixed 40 s was assumed)."""
+    predict, weighted like e2e's on-device engines) and 2 x repeats + 2 generations of its new tokens (each timed
+    pair's one-token run counted at full length: a margin) at about the decode step's time (the 27B-class shape's
+    took ~60 s where a fixed 40 s was assumed)."""
+    repeats, n, _ = _e2e_sizes(ctx.opts)
     compile_s = ctx.estimator.estimate(cfg.num_layers, E2E_COMPILE_WEIGHT[True])
-    return compile_s + (2 * (1 if ctx.opts.quick else 3) + 2) * ctx.opts.new_tokens * decode_s
+    return compile_s + (2 * repeats + 2) * n * decode_s
 
 
 def end_to_end(ctx: Context, e2e: dict, name: str, params: dict, cfg, ks: tuple[int, ...], decode_s: float) -> None:
     """Greedy, prompt lookup and MTP on the on-device loop into e2e (decode_s: the measured decode step, for the
     budget)."""
     opts = ctx.opts
-    repeats = 1 if opts.quick else 3
+    repeats, n, plen = _e2e_sizes(opts)
     params = scale_attention_output(params, opts.o_factor)
-    n, plen = (8, 16) if opts.quick else (opts.new_tokens, opts.prompt_len)
     length = 2 * plen + n
     rng = np.random.default_rng(opts.seed + 29)
     p, filler = random_filler(rng, cfg.vocab_size, plen, n, length)
