@@ -130,17 +130,19 @@ def load_demo(ckpt_dir: str):
 
 
 def drafter_configs(
-    lookup_k: int, mtp_k: int, with_mtp: bool, sampling: bool = False, draft_model=None, draft_k: int = 4
+    lookup_k: int, mtp_ks: list[int], with_mtp: bool, sampling: bool = False, draft_model=None, draft_k: int = 4
 ) -> dict:
-    """name -> (k, drafter, gate); draft_model: a jspec.DraftModel (None: no draft-model row)."""
+    """name -> (k, drafter, gate); MTP rows at each of mtp_ks ("mtp", or "mtp_k<k>" for several); draft_model: a
+    jspec.DraftModel (None: no draft-model row)."""
     configs = {
         "prompt_lookup": (lookup_k, jspec.PromptLookup(), None),
         "prompt_lookup_gated": (lookup_k, jspec.PromptLookup(), jspec.HitDensityGate()),
     }
-    if with_mtp:
-        configs["mtp"] = (mtp_k, jspec.MTPDrafter(), None)
+    for mtp_k in mtp_ks if with_mtp else ():
+        suffix = f"_k{mtp_k}" if len(mtp_ks) > 1 else ""
+        configs["mtp" + suffix] = (mtp_k, jspec.MTPDrafter(), None)
         if sampling:
-            configs["mtp_argmax"] = (mtp_k, jspec.MTPDrafter(coupled=False), None)
+            configs["mtp_argmax" + suffix] = (mtp_k, jspec.MTPDrafter(coupled=False), None)
     if draft_model is not None:
         configs["draft_model"] = (draft_k, draft_model, None)
     return configs
@@ -305,7 +307,7 @@ def main(argv=None) -> int:
     p.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
     p.add_argument("--checkpoint", help="jspec checkpoint dir with tokenizer.json (default: the bundled demo)")
     p.add_argument("--k", type=int, default=7, help="draft length for prompt lookup")
-    p.add_argument("--mtp-k", type=int, default=2, help="draft length for MTP")
+    p.add_argument("--mtp-k", default="2", help="draft length for MTP; a comma list runs each (e.g. 1,2,3)")
     p.add_argument("--draft-k", type=int, default=4, help="draft length for the draft model")
     p.add_argument(
         "--draft-checkpoint", help="draft model (default: the bundled demo drafter with the demo model; 'none': skip)"
@@ -331,7 +333,8 @@ def main(argv=None) -> int:
     draft_path = args.draft_checkpoint or (None if args.checkpoint else checkpoints.drafter_dir())
     draft_model = jspec.DraftModel.load(draft_path) if draft_path not in (None, "none") else None
     sampling = args.temperatures is not None
-    configs = drafter_configs(args.k, args.mtp_k, with_mtp, sampling, draft_model, args.draft_k)
+    mtp_ks = [int(k) for k in args.mtp_k.split(",")]
+    configs = drafter_configs(args.k, mtp_ks, with_mtp, sampling, draft_model, args.draft_k)
     engines = {k: jspec.Engine(params, cfg, max_len=args.max_len, k=k) for k in {c[0] for c in configs.values()}}
     load_before = os.getloadavg()[0]
     runs = []

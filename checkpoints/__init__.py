@@ -3,6 +3,7 @@
 params, cfg = checkpoints.load_hf(hf_dir, dtype="float32" | "bfloat16", quantize=None | "int4")
 checkpoints.save(out_dir, params, cfg);  params, cfg = checkpoints.load(out_dir)
 params, cfg = checkpoints.load(checkpoints.demo_dir())   # the bundled int4 demo model (+ tokenizer.json)
+params, cfg = checkpoints.load(checkpoints.demo_hybrid_dir())   # the bundled hybrid demo (Gated DeltaNet, MTP)
 jspec.DraftModel.load(checkpoints.drafter_dir())          # the bundled drafter distilled from it
 """
 
@@ -23,18 +24,26 @@ from checkpoints.store import load, save
 
 def demo_dir() -> str:
     """Directory of the bundled demo checkpoint (int4 params, tokenizer.json, MODEL_CARD.md)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
-    if not os.path.isfile(os.path.join(path, "jspec.json")):
-        raise FileNotFoundError(f"the bundled demo checkpoint is missing from {path}")
-    return path
+    return _bundled("demo", "demo checkpoint")
+
+
+def demo_hybrid_dir() -> str:
+    """Directory of the bundled hybrid demo checkpoint (`python -m checkpoints.train_demo --size hybrid --family
+    qwen3_5`: Gated DeltaNet 3 : 1 gated attention with one MTP layer, the demo's tokenizer; int4 linears, bfloat16
+    embedding and norms)."""
+    return _bundled("demo_hybrid", "hybrid demo checkpoint")
 
 
 def drafter_dir() -> str:
     """Directory of the bundled demo drafter (`python -m checkpoints.train_drafter`: distilled from the demo model,
     its tokenizer; int4 linears, bfloat16 embedding) for `jspec.DraftModel.load`."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_drafter")
+    return _bundled("demo_drafter", "demo drafter")
+
+
+def _bundled(folder: str, what: str) -> str:
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), folder)
     if not os.path.isfile(os.path.join(path, "jspec.json")):
-        raise FileNotFoundError(f"the bundled demo drafter is missing from {path}")
+        raise FileNotFoundError(f"the bundled {what} is missing from {path}")
     return path
 
 
@@ -47,6 +56,7 @@ __all__ = [
     "from_gptq",
     "from_matmul_nbits",
     "demo_dir",
+    "demo_hybrid_dir",
     "drafter_dir",
     "load",
     "load_hf",

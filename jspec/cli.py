@@ -255,7 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     g = sub.add_parser("generate", help="generate text (default: the bundled demo model)")
-    g.add_argument("--checkpoint", help="jspec checkpoint or HuggingFace dir, or 'demo' (default: bundled demo)")
+    g.add_argument(
+        "--checkpoint",
+        "--model",
+        dest="checkpoint",
+        help="jspec checkpoint or HuggingFace dir, or a bundled model: 'demo' (the default) or 'demo-hybrid'",
+    )
     text = g.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt")
     text.add_argument("--prompt-file")
@@ -300,7 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_convert)
 
     i = sub.add_parser("inspect", help="print a checkpoint's config and sizes")
-    i.add_argument("--checkpoint", help="checkpoint dir or 'demo' (default: bundled demo)")
+    i.add_argument(
+        "--checkpoint", "--model", dest="checkpoint", help="checkpoint dir, or 'demo' (the default) or 'demo-hybrid'"
+    )
     i.set_defaults(func=cmd_inspect)
 
     # Listed for --help only: `main` hands `jspec bench ...` to jspec_bench.main verbatim.

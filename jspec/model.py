@@ -24,7 +24,7 @@ from jspec.engine import Engine, GenerationResult
 from jspec.stats import BatchStats, SpecStats
 
 OWN_CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints" / "__init__.py"
-DEMO_NAMES = ("demo",)
+BUNDLED = {"demo": "demo_dir", "demo-hybrid": "demo_hybrid_dir"}  # name -> its `checkpoints` directory function
 
 
 def checkpoints_package() -> ModuleType:
@@ -192,10 +192,11 @@ class Model:
 
 
 def resolve_checkpoint(path: str | os.PathLike | None) -> str:
-    """A checkpoint directory: the bundled demo model for None or "demo", else the path itself."""
-    if path is None or os.fspath(path) in DEMO_NAMES:
-        return checkpoints_package().demo_dir()
-    return os.fspath(path)
+    """A checkpoint directory: a bundled model for None ("demo") or a name of BUNDLED, else the path itself."""
+    name = "demo" if path is None else os.fspath(path)
+    if name in BUNDLED:
+        return getattr(checkpoints_package(), BUNDLED[name])()
+    return name
 
 
 def checkpoint_kind(root: str | os.PathLike) -> str:
@@ -230,7 +231,8 @@ def load(
     checkpoint: str | os.PathLike | None = None, dtype: str | None = None, quantize: str | None = None, mesh=None
 ) -> Model:
     """A Model from a jspec (orbax) checkpoint directory (jspec.json inside), a HuggingFace safetensors directory
-    (config.json inside; dtype default "bfloat16", quantize None | "int4"), or None / "demo": the bundled demo.
+    (config.json inside; dtype default "bfloat16", quantize None | "int4"), or a bundled model: None / "demo" (the
+    dense demo) or "demo-hybrid" (the Gated DeltaNet hybrid with its MTP head).
     The directory's tokenizer.json, when present, becomes the Model's tokenizer. mesh: a tensor-parallel mesh
     (`jspec.tensor_parallel`): each shard is loaded onto its device and the Model's engines run on the mesh."""
     ckpt = checkpoints_package()

@@ -340,10 +340,8 @@ def attention(
         num_stages = num_stages or auto_stages
     splits = Splits(split, far_split, far_from) if far_split else Splits(split, split, 0)
     _check_tiles(d, kv_cache.shape[0], block_k, splits, combine_rows, combine_chunk)
-    out = _attention_tile(
-        jnp.pad(q, ((0, ROW_TILE - m), (0, 0), (0, 0))),
-        kv_cache,
-        jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(rows, jnp.int32)]),
+    tile = _slot_tile(
+        m=m,
         scale=float(scale),
         interpret=interpret,
         fold_heads=fold_heads,
@@ -358,12 +356,36 @@ def attention(
         mosaic=mosaic,
         ctas=ctas,
     )
-    return out[:m]
+    start_arr = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(rows, jnp.int32)])
+    return tile(jnp.pad(q, ((0, ROW_TILE - m), (0, 0), (0, 0))), kv_cache, start_arr)[:m]
+
+
+@functools.cache
+def _slot_tile(**static):
+    """`_attention_tile` with these static arguments as a function of (q, kv_cache, start_arr) alone, which under
+    `jax.vmap` (a batch's slots, jspec.batch: each with its own queries, cache and start) runs as one call of every
+    kernel over the slots, its Mosaic GPU grid sized for all of them (`attention_ws.ctas_per_head` of the batch):
+    few CTAs per slot and KV head, each running several splits in one pipeline, where the per-slot default would
+    launch a GPU's worth of mostly idle CTAs for every slot. The CTA count never changes a row's bits, and no
+    kernel mixes two slots, so each slot's rows are the bits of its call alone (docs/design.md, rules 2 and 9)."""
+
+    @jax.custom_batching.custom_vmap
+    def tile(q, kv_cache, start_arr):
+        return _attention_tile(q, kv_cache, start_arr, **static)
+
+    @tile.def_vmap
+    def _(axis_size, in_batched, q, kv_cache, start_arr):
+        batch = axis_size if static["mosaic"] and static["ctas"] is None else 1
+        call = functools.partial(_attention_tile, **dict(static, batch=batch))
+        return jax.vmap(call, in_axes=tuple(0 if b else None for b in in_batched))(q, kv_cache, start_arr), True
+
+    return tile
 
 
 @functools.partial(
     jax.jit,
     static_argnames=(
+        "m",
         "scale",
         "interpret",
         "fold_heads",
@@ -377,6 +399,7 @@ def attention(
         "combine_stages",
         "mosaic",
         "ctas",
+        "batch",
     ),
 )
 def _attention_tile(
@@ -384,6 +407,7 @@ def _attention_tile(
     kv_cache,
     start_arr,
     *,
+    m,
     scale,
     interpret,
     fold_heads,
@@ -397,12 +421,22 @@ def _attention_tile(
     combine_stages,
     mosaic,
     ctas,
+    batch=1,
 ):
-    """q [ROW_TILE, Hq, D] (rows padded), start_arr int32 [2] (start, valid rows) -> [ROW_TILE, Hq, D] in q.dtype,
-    rows from the valid ones on zero."""
+    """q [ROW_TILE, Hq, D] (rows padded; the first m are the call's), start_arr int32 [2] (start, valid rows) ->
+    [ceil(m / combine_rows) * combine_rows, Hq, D] in q.dtype, rows from the valid ones on zero. batch: how many
+    calls run at once under `jax.vmap` (`_slot_tile`), which sizes the Mosaic GPU grid."""
     if mosaic:
         parts = attention_ws.split_partials(
-            q, kv_cache, start_arr, scale=scale, splits=splits, block_k=block_k, ring=num_stages, ctas=ctas
+            q,
+            kv_cache,
+            start_arr,
+            scale=scale,
+            splits=splits,
+            block_k=block_k,
+            ring=num_stages,
+            ctas=ctas,
+            batch=batch,
         )
     else:
         parts = split_partials(
@@ -429,6 +463,7 @@ def _attention_tile(
         chunk=combine_chunk,
         warps=combine_warps,
         stages=combine_stages,
+        out_rows=-(-m // combine_rows) * combine_rows,
     )
 
 
@@ -484,12 +519,28 @@ def split_partials(q, kv_cache, start_arr, *, scale, interpret, fold_heads, bloc
 
 
 def combine(
-    start_arr, o_part, m_part, l_part, *, q_heads, head_rows, chunk_rows, splits, interpret, rows, chunk, warps, stages
+    start_arr,
+    o_part,
+    m_part,
+    l_part,
+    *,
+    q_heads,
+    head_rows,
+    chunk_rows,
+    splits,
+    interpret,
+    rows,
+    chunk,
+    warps,
+    stages,
+    out_rows=ROW_TILE,
 ):
     """The split kernel's partials o_part [Hkv, NS, T, D] (`query_tile` layout: chunks of chunk_rows rows,
     head_rows per query head), m_part/l_part [Hkv, NS, T] float32, start_arr int32 [2] (start, valid rows) ->
-    [ROW_TILE, q_heads, D] in o_part.dtype, rows from the valid ones on zero. `rows` rows per program (a divisor
-    of head_rows and chunk_rows). Splits past start_arr[0] + ROW_TILE - 1 are never read."""
+    the first out_rows (a multiple of `rows`, <= ROW_TILE) tile rows [out_rows, q_heads, D] in o_part.dtype, rows
+    from the valid ones on zero. `rows` rows per program (a divisor of head_rows and chunk_rows): a program's rows
+    do not depend on the others, so a call that needs the first M rows runs only their programs (a decode one per
+    query head, not ROW_TILE / rows). Splits past start_arr[0] + ROW_TILE - 1 are never read."""
     hkv, n_split, _, d = o_part.shape
     group = q_heads // hkv
 
@@ -500,7 +551,7 @@ def combine(
 
     return pl.pallas_call(
         functools.partial(_combine_kernel, splits=splits, chunk=chunk),
-        grid=(q_heads, ROW_TILE // rows),
+        grid=(q_heads, out_rows // rows),
         in_specs=[
             pl.BlockSpec((2,), lambda *_: (0,)),
             pl.BlockSpec((None, n_split, rows, d), lambda h, r: (*part_index(h, r), 0)),
@@ -508,7 +559,7 @@ def combine(
             pl.BlockSpec((None, n_split, rows), part_index),
         ],
         out_specs=pl.BlockSpec((rows, None, d), lambda h, r: (r, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((ROW_TILE, q_heads, d), o_part.dtype),
+        out_shape=jax.ShapeDtypeStruct((out_rows, q_heads, d), o_part.dtype),
         compiler_params=_compiler_params(interpret, warps, stages),
         interpret=interpret,
         name="jspec_attention_combine",

@@ -47,20 +47,23 @@ def head_rows(group: int) -> int:
     return min(ROW_TILE, WG_ROWS // group // 2 * 2)
 
 
-def ctas_per_head(hkv: int, work: int) -> int:
-    """CTAs per KV head: sm_count() // hkv (at least 1), so one wave of CTAs fills the GPU, and no more than `work`,
-    the (chunk, split) pairs a call on this cache can have live (a CTA past them would only start and exit)."""
-    return max(1, min(sm_count() // hkv, work))
+def ctas_per_head(hkv: int, chunks: int, n_split: int, batch: int = 1) -> int:
+    """CTAs per KV head of a call on `batch` caches at once (a batch's slots under `jax.vmap`, each with its own
+    Hkv x CTAs grid): sm_count() // (batch * hkv), so one wave of CTAs fills the GPU, but at least `chunks` (each
+    chunk of the row tile needs a CTA) and no more than chunks x n_split, the (chunk, split) pairs a call can have
+    live (a CTA past them would only start and exit). A large batch thus gets few CTAs per head, each running several
+    splits in one pipeline, rather than a grid of mostly idle CTAs per slot."""
+    return max(chunks, min(sm_count() // (batch * hkv), chunks * n_split))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "block_k", "ring", "ctas"))
-def split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring, ctas=None):
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "block_k", "ring", "ctas", "batch"))
+def split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring, ctas=None, batch=1):
     """q [ROW_TILE, Hq, D] bf16 (row r at position start + r), kv_cache [S, Hkv, 2, D] bf16, start_arr int32 [2] =
     (start, valid rows) -> partials o [Hkv, NS, C * WG_ROWS, D] bf16, m and l [Hkv, NS, C * WG_ROWS] float32 in
     chunk layout (module docstring; C chunks of head_rows(group) rows per head). Splits past start + ROW_TILE - 1
     and chunks past the valid rows are not written. `splits` is the attention_kernel.Splits partition (split
     sizes multiples of block_k); ring: pipeline depth (`stages` gives the default); ctas: CTAs per KV head (None:
-    `ctas_per_head` of the cache's chunks x splits).
+    `ctas_per_head` for `batch` caches run at once under `jax.vmap`).
 
     Persistent grid: with L chunks holding a valid row, CTA c of a KV head computes chunk c % L of the live splits
     s, s + n, s + 2 n, ... (s = c // L, n = ctas // L; CTAs with s >= n idle) one after another in one pipeline: a
@@ -76,7 +79,7 @@ def split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring, ctas
     per_head = head_rows(group)
     chunks = -(-ROW_TILE // per_head)
     n_split = splits.count(s_len)
-    ctas = ctas or ctas_per_head(hkv, chunks * n_split)
+    ctas = ctas or ctas_per_head(hkv, chunks, n_split, batch)
     if ctas < chunks:
         raise ValueError(f"attention: {ctas} CTAs per KV head cannot hold the {chunks} chunks of a row tile")
     near_blocks, far_blocks = splits.size // block_k, splits.far_size // block_k

@@ -250,6 +250,36 @@ def test_gpu_mosaic_bits_do_not_depend_on_the_cta_count(hq, hkv, d, combine_chun
 
 
 @pytest.mark.parametrize(
+    "interpret, hq, hkv, d",
+    [(True, HQ, HKV, D), pytest.param(False, 32, 8, 128, marks=pytest.mark.skipif(not ON_GPU, reason="needs a GPU"))],
+)
+def test_slots_under_vmap_get_the_bits_of_their_calls_alone(interpret, hq, hkv, d):
+    """`jax.vmap` over slots (jspec.batch) runs the kernels once for all the slots (on the GPU, a Mosaic grid sized
+    for the batch, `attention_ws.ctas_per_head`): each slot's rows are the bits of its call alone, whatever the other
+    slots' starts and caches, for a decode (M = 1) and a verify tile (M = 8); with one cache shared by every query
+    (in_axes None) too. On the GPU also against an explicit CTA count (another grid, the same bits)."""
+    dtype = jnp.float32 if interpret else jnp.bfloat16
+    s_len, starts = 640, (3, 120, 250, 505, 611)
+    hists = [_history(dtype, seed=40 + i, s_len=s_len, hq=hq, hkv=hkv, d=d) for i in range(len(starts))]
+    kw = dict(scale=d**-0.5, interpret=interpret)
+    for m in (1, 8):
+        qs = jnp.stack([q[t : t + m] for (q, _), t in zip(hists, starts, strict=True)])
+        kvs = jnp.stack([_with_stale(kv, t, m, seed=t) for (_, kv), t in zip(hists, starts, strict=True)])
+        at = jnp.asarray(starts, jnp.int32)
+        call = lambda q, kv, t: attention_kernel.attention(q, kv, t, **kw)  # noqa: E731
+        batched = np.asarray(jax.jit(jax.vmap(call))(qs, kvs, at))
+        shared = np.asarray(jax.vmap(call, in_axes=(0, None, 0))(qs, kvs[0], at))
+        for i, t in enumerate(starts):
+            alone = np.asarray(attention_kernel.attention(qs[i], kvs[i], jnp.int32(t), **kw))
+            assert np.array_equal(bits(batched[i]), bits(alone)), f"slot {i}, M = {m}"
+            alone = np.asarray(attention_kernel.attention(qs[i], kvs[0], jnp.int32(t), **kw))
+            assert np.array_equal(bits(shared[i]), bits(alone)), f"slot {i} on a shared cache, M = {m}"
+        if not interpret:
+            fixed = jax.vmap(lambda q, kv, t: attention_kernel.attention(q, kv, t, ctas=5, **kw))(qs, kvs, at)
+            assert np.array_equal(bits(np.asarray(fixed)), bits(batched)), f"ctas=5, M = {m}"
+
+
+@pytest.mark.parametrize(
     "q_shape, cache_shape, dtype, match",
     [
         ((17, 8, 64), (1024, 2, 2, 64), jnp.float32, "query rows"),
