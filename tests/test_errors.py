@@ -286,6 +286,18 @@ def test_cli_compare_greedy_times_warmed_runs(capsys):
     assert "first_call_s_with_compile" not in out  # the timed runs exclude compilation
 
 
+def test_cli_generates_with_the_bundled_hybrid_and_its_mtp_head(capsys):
+    """`--model demo-hybrid` (an alias of --checkpoint) runs the bundled Gated DeltaNet hybrid; its MTP head drafts
+    and the tokens are greedy's; `jspec.load("demo-hybrid")` is the same checkpoint."""
+    argv = ["generate", "--model", "demo-hybrid", "--prompt", "def add(a, b):", "--max-new-tokens", "12"]
+    assert cli.main([*argv, "--drafter", "mtp", "--k", "2", "--compare-greedy", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["checkpoint"].endswith("demo_hybrid") and out["stats"]["verify_steps"] > 0
+    assert out["greedy_identical"] and out["stats"]["accepted"] > 0
+    model = jspec.load("demo-hybrid")
+    assert model.cfg.family == "qwen3_5" and model.cfg.num_mtp_layers == 1 and model.path == out["checkpoint"]
+
+
 def test_on_device_stats_print_no_zeros():
     stats = dataclasses.replace(SpecStats(), loop="device", new_tokens=4, wall_time_s=0.5, decode_steps=3)
     text = stats.summary()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 from jspec.cli import build_parser
@@ -31,3 +32,14 @@ def test_cli_parses_generate():
     args = build_parser().parse_args(["generate", "--prompt", "x", "--drafter", "none", "--k", "3", "--json"])
     assert args.k == 3 and args.drafter == "none" and args.json and args.gate is None  # None: the drafter decides
     assert build_parser().parse_args(["generate", "--prompt", "x", "--no-gate"]).gate is False
+
+
+def test_the_repository_fits_the_gpu_machines_working_tree():
+    """The tracked files stay under 60 MB (the GPU machine takes at most 64 MiB of working tree), and each bundled
+    checkpoint within its budget: the demo 32 MB, the hybrid demo 16 MB (issue 33), the drafter 3 MB."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    sizes = {name.decode(): (ROOT / name.decode()).stat().st_size for name in files if name}
+    assert sum(sizes.values()) < 60e6, f"{sum(sizes.values()) / 1e6:.1f} MB tracked"
+    for folder, budget in (("demo", 32e6), ("demo_hybrid", 16e6), ("demo_drafter", 3e6)):
+        size = sum(v for k, v in sizes.items() if k.startswith(f"checkpoints/{folder}/"))
+        assert 0 < size < budget, f"checkpoints/{folder}: {size / 1e6:.1f} MB"
