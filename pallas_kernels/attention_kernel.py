@@ -10,16 +10,19 @@ caches is the warp-specialized Mosaic GPU kernel of `attention_ws`, which writes
    of `block_k` with an online softmax (float32 statistics, exp2 domain) and writes the partial (max m, sum l,
    out = acc / l) of every row. Splits that start past start + ROW_TILE - 1 do no work; inside a split, blocks past
    that position are not visited.
-2. `_combine_kernel`, grid (q_heads, ROW_TILE // combine_rows): merges the live splits' partials of each row in one
+2. `_combine_kernel`, grid (q_heads, ceil(M / combine_rows)): merges the live splits' partials of each row in one
    pass (global max of m first, then one weighted sum in ascending split order, `combine_chunk` splits per step, no
-   rescaling) and writes [ROW_TILE, Hq, D]; rows past the call's valid ones are written as zeros.
+   rescaling) and writes [M rounded up to combine_rows, Hq, D]; rows past the call's valid ones are written as
+   zeros.
 
 Why row r is bit-identical for every M and every start that keep its position t = start + r (docs/design.md, rule 2):
 - Rows are padded to ROW_TILE and the valid row count is data (next to the start), so every call runs the same
-  kernels on the same shapes. What the count changes is which work is skipped: the Mosaic GPU split kernel's
-  chunks holding no valid row exit, the combine writes zeros for rows past the valid ones. A computed row's
-  arithmetic never depends on it. No XLA op touches the partials (the combine is a kernel), and the only op after
-  it is the slice to M rows.
+  split kernel on the same shapes. What the count changes is which work is skipped: the Mosaic GPU split kernel's
+  chunks holding no valid row exit, the combine writes zeros for rows past the valid ones. The combine's grid
+  covers the call's M rows only (one program per `combine_rows` of them): a program's rows depend on no other
+  program, and its code is the same whatever the grid, so row r is the same bits in a decode's one program per
+  head and a verify's eight. A computed row's arithmetic never depends on the count. No XLA op touches the partials
+  (the combine is a kernel), and the only op after it is the slice to M rows.
 - The partition (block_k, split) is a function of absolute position only. Row r's arithmetic on a block or split
   depends only on its query row, the cache rows <= t and its own mask.
 - What a call may add beyond t is exactly neutral: a block fully past t has scores -inf, so the running max is
