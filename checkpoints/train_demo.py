@@ -62,7 +62,10 @@ RESIDUAL_OUTPUTS = ("o", "down", "out")  # projections writing into the residual
 FAMILIES = ("qwen2", "qwen3_5")
 STYLES = {"qwen2": "Qwen2-style", "qwen3_5": "Qwen3.5-style hybrid (Gated DeltaNet and gated attention)"}
 KEPT_INIT = ("A_log", "dt_bias", "conv")  # Gated DeltaNet parameters kept as the family's init_params draws them
-POST_TRAINING_RESERVE_S = 75  # evaluation, quantization, samples and saving after the training loop (H200)
+# Seconds --total-minutes keeps for what follows the training loop (quantization, saving, evaluation, samples) on the
+# H200: the dense demo's took ~75 s; the hybrid's evaluation took 36 s and its samples, two engines compiling for
+# ~40 s each, had not finished 64 s later (benchmarks/results/demo_hybrid_train_h200.log).
+POST_TRAINING_RESERVE_S = {"qwen2": 75, "qwen3_5": 180}
 # Prompts end mid-line: the tokenizer merges a newline with the next line's indentation ("\n        " is one
 # token), so a prompt ending in "\n" is a split the model rarely saw (it tends to answer with end-of-text).
 SAMPLE_PROMPTS = (
@@ -585,9 +588,7 @@ def run(args) -> dict:
     params = init_train_params(cfg, jax.random.PRNGKey(args.seed))
     n_main = count_params({k: v for k, v in params.items() if k != "mtp"})
     log(f"model: {n_main / 1e6:.2f} M params + {count_params(params['mtp']) / 1e6:.2f} M MTP on {jax.devices()[0]}")
-    seconds = args.minutes * 60
-    if args.total_minutes:
-        seconds = min(seconds, args.total_minutes * 60 - (time.perf_counter() - t_start) - POST_TRAINING_RESERVE_S)
+    seconds = training_seconds(args.minutes, args.total_minutes, time.perf_counter() - t_start, args.family)
     params, record = train(
         params,
         lambda p, windows: model_losses(p, cfg, windows),
@@ -665,6 +666,15 @@ def run(args) -> dict:
     )
     write_outputs(args.out, ckpt, metrics, model_card(metrics), log)
     return metrics
+
+
+def training_seconds(minutes: float, total_minutes: float | None, elapsed_s: float, family: str) -> float:
+    """The training loop's budget: `minutes`, cut so that a run capped at `total_minutes` (None: no cap), elapsed_s
+    in already, keeps the family's POST_TRAINING_RESERVE_S for what follows the loop."""
+    seconds = minutes * 60
+    if total_minutes:
+        seconds = min(seconds, total_minutes * 60 - elapsed_s - POST_TRAINING_RESERVE_S[family])
+    return seconds
 
 
 def file_logger(out_dir: str):

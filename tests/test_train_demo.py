@@ -211,3 +211,11 @@ def test_drafter_distilled_from_the_demo_trainer_drafts_for_it(trained, corpus_r
     prompt = list(range(1, 9))
     out = engine.generate(prompt, 24, drafter=drafter, eos_id=())
     assert out.tokens == engine.generate(prompt, 24, eos_id=()).tokens and out.stats.verify_steps > 0
+
+
+def test_the_time_cap_keeps_each_familys_post_training_reserve():
+    """--total-minutes 5.5 with 60 s gone: the dense demo trains 330 - 60 - 75 s, the hybrid 330 - 60 - 180 (its
+    two engines' compiles after the loop); --minutes alone is the budget without a cap."""
+    assert train_demo.training_seconds(4.4, 5.5, 60.0, "qwen2") == 330 - 60 - 75
+    assert train_demo.training_seconds(4.4, 5.5, 60.0, "qwen3_5") == 330 - 60 - 180
+    assert train_demo.training_seconds(4.4, None, 60.0, "qwen3_5") == 4.4 * 60
