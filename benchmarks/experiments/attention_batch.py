@@ -30,6 +30,7 @@ from pallas_kernels import ROW_TILE, attention_kernel, attention_ws  # noqa: E40
 
 HQ, HKV, D, S_LEN = 32, 8, 128, 512  # the batch bench's cache: max_len 400 -> 512 positions (CACHE_MULTIPLE)
 CALLS = 20  # calls per profile
+SPLITS = attention_kernel.Splits(attention_kernel.NEAR_SPLIT, attention_kernel.SPLIT, attention_kernel.NEAR_UNTIL)
 
 
 def batched(m: int, **kw):
@@ -51,7 +52,6 @@ def kernel_us(fn, *args) -> dict:
 def combine_variants(qs, kvs, starts, m: int) -> dict:
     """The combine alone on the batch's partials under vmap: out_rows ROW_TILE (one program per 2 tile rows, as
     before) against the call's ceil(m / 2) * 2 rows; kernel us and whether the first m rows agree in bits."""
-    splits = attention_kernel.Splits(attention_kernel.NEAR_SPLIT, attention_kernel.SPLIT, attention_kernel.NEAR_UNTIL)
     per_head = attention_ws.head_rows(HQ // HKV)
     rows = attention_kernel.COMBINE_ROWS
 
@@ -60,11 +60,11 @@ def combine_variants(qs, kvs, starts, m: int) -> dict:
         arr = jnp.stack([t, jnp.int32(m)])
         ring = attention_ws.stages(attention_ws.BLOCK_K, D)
         return arr, attention_ws.split_partials(
-            q, kv, arr, scale=D**-0.5, splits=splits, block_k=attention_ws.BLOCK_K, ring=ring
+            q, kv, arr, scale=D**-0.5, splits=SPLITS, block_k=attention_ws.BLOCK_K, ring=ring
         )
 
     arrs, p = jax.jit(jax.vmap(parts))(qs, kvs, starts)
-    kw = dict(q_heads=HQ, head_rows=per_head, chunk_rows=attention_ws.WG_ROWS, splits=splits, interpret=False)
+    kw = dict(q_heads=HQ, head_rows=per_head, chunk_rows=attention_ws.WG_ROWS, splits=SPLITS, interpret=False)
     kw.update(rows=rows, chunk=attention_kernel.COMBINE_CHUNK, warps=attention_kernel.COMBINE_WARPS)
     kw.update(stages=attention_kernel.COMBINE_STAGES)
     out = {}
@@ -85,7 +85,7 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     chunks = -(-ROW_TILE // attention_ws.head_rows(HQ // HKV))
-    n_split = -(-S_LEN // attention_kernel.NEAR_SPLIT)
+    n_split = SPLITS.count(S_LEN)
     per_slot_ctas = attention_ws.ctas_per_head(HKV, chunks, n_split)
     result = {
         "jax": jax.__version__,
@@ -100,14 +100,15 @@ def main() -> None:
             starts = jnp.asarray(rng.integers(320, 384, b), jnp.int32)
             qs = jnp.asarray(rng.standard_normal((b, m, HQ, D)), jnp.bfloat16)
             kvs = jnp.asarray(rng.standard_normal((b, S_LEN, HKV, 2, D)), jnp.bfloat16)
-            # positions 0 .. start + m - 1 of each slot, rounded up to the 64-position blocks the kernel reads
-            kv_bytes = sum(-(-(int(t) + m) // 64) * 64 * HKV * 2 * D * 2 for t in np.asarray(starts))
-            r = result["batches"][f"B{b}_M{m}"] = {"kv_bytes": kv_bytes, "batch_ctas": None, "variants": {}}
-            r["batch_ctas"] = attention_ws.ctas_per_head(HKV, chunks, n_split, b)
+            # positions 0 .. start + m - 1 of each slot, rounded up to the blocks the kernel reads
+            block = attention_ws.BLOCK_K
+            kv_bytes = sum(-(-(int(t) + m) // block) * block * HKV * 2 * D * 2 for t in np.asarray(starts))
+            batch_ctas = attention_ws.ctas_per_head(HKV, chunks, n_split, b)
+            r = result["batches"][f"B{b}_M{m}"] = {"kv_bytes": kv_bytes, "batch_ctas": batch_ctas, "variants": {}}
             variants = {
                 "batch_grid": {},
                 "per_slot_grid": dict(ctas=per_slot_ctas),
-                **{f"ctas{c}": dict(ctas=c) for c in (2, 3, 4) if c != r["batch_ctas"]},
+                **{f"ctas{c}": dict(ctas=c) for c in (2, 3, 4) if c != batch_ctas},
                 "batch_grid_ring2": dict(num_stages=2),
             }
             outs = {}
