@@ -12,14 +12,17 @@ depth, random int4 weights (`shapes.HYBRID_MODELS`: transformers' Qwen3.5 text s
 3. End to end on the on-device loop, the last model measured: greedy, prompt lookup (k = 3) on an echo prompt, and
    the random MTP head drafting k = 1, 2, 3 (its acceptance says nothing, its cost does), decode tok/s as (n minus
    1) new tokens over the wall of n minus that of 1; tokens against greedy (an identity check); an MTP round's cost
-   (head + verify) against a decode step. The token mixers' outputs are scaled as in e2e (--o-factor), so the
-   random model follows the echo.
+   (head + verify) against a decode step, and the speedup that round predicts at the trained demo-hybrid's measured
+   acceptance (`DEMO_ACCEPTANCE`: mean_accepted / round_vs_decode, per prompt category). The token mixers' outputs
+   are scaled as in e2e (--o-factor), so the random model follows the echo.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
+import json
+import os
 import statistics
 import time
 
@@ -40,6 +43,9 @@ from pallas_kernels.recurrent import gdn_rows, l2_normalize
 
 KS = (1, 2, 3)  # verify draft lengths and MTP k (the workload's drafts are short)
 LOOKUP_K = 3
+# The trained demo-hybrid's MTP acceptance (benchmarks/demo_acceptance.py, all nine prompts): what a trained head
+# accepts, where the random 27B-class head accepts nothing.
+DEMO_ACCEPTANCE = os.path.join(os.path.dirname(__file__), "..", "results", "demo_hybrid_acceptance_cpu.json")
 
 
 def section_hybrid(ctx: Context, sec: dict) -> None:
@@ -178,6 +184,18 @@ def _device_decode_rate(engine: Engine, prompt, n: int, repeats: int, **kwargs) 
     }
 
 
+def predicted_speedup(k: int, round_vs_decode: float) -> dict:
+    """{category: speedup} of MTP k over greedy at the demo-hybrid's measured mean_accepted (tokens a round) and
+    this round's cost: mean_accepted / round_vs_decode; with the acceptance file and commit it comes from."""
+    with open(DEMO_ACCEPTANCE) as f:
+        acceptance = json.load(f)
+    summary = acceptance["summary"]
+    return {
+        "source": f"benchmarks/results/{os.path.basename(DEMO_ACCEPTANCE)} at {acceptance['commit']}",
+        **{cat: summary[cat][f"mtp_k{k}"]["mean_accepted"] / round_vs_decode for cat in ("edit", "free")},
+    }
+
+
 def _e2e_sizes(opts) -> tuple[int, int, int]:
     """(repeats, new tokens, filler prompt length) of `end_to_end`'s runs."""
     return (1, 8, 16) if opts.quick else (3, opts.new_tokens, opts.prompt_len)
@@ -226,6 +244,7 @@ def end_to_end(ctx: Context, e2e: dict, name: str, params: dict, cfg, ks: tuple[
             r["speedup"] = r["decode_tok_s"] / (e2e["greedy_echo" if prompt is echo else "greedy"]["decode_tok_s"])
             if label.startswith("mtp"):
                 r["round_vs_decode"] = r["ms_per_round"] / e2e["greedy"]["ms_per_round"]
+                r["predicted_speedup_at_demo_acceptance"] = predicted_speedup(k, r["round_vs_decode"])
             e2e[label] = r
             print(
                 f"  hybrid {name} {label}: {r['decode_tok_s']:.1f} tok/s ({r['speedup']:.2f}x greedy), mean_accepted "
