@@ -367,10 +367,12 @@ def attention(
 def _slot_tile(**static):
     """`_attention_tile` with these static arguments as a function of (q, kv_cache, start_arr) alone, which under
     `jax.vmap` (a batch's slots, jspec.batch: each with its own queries, cache and start) runs as one call of every
-    kernel over the slots, its Mosaic GPU grid sized for all of them (`attention_ws.ctas_per_head` of the batch):
-    few CTAs per slot and KV head, each running several splits in one pipeline, where the per-slot default would
-    launch a GPU's worth of mostly idle CTAs for every slot. The CTA count never changes a row's bits, and no
-    kernel mixes two slots, so each slot's rows are the bits of its call alone (docs/design.md, rules 2 and 9)."""
+    kernel over the slots, its Mosaic GPU grid sized for all of them: few CTAs per slot and KV head
+    (`attention_ws.ctas_per_head` of the batch), each running several splits in one pipeline, where the per-slot
+    default would launch a GPU's worth of mostly idle CTAs for every slot; and once the (slot, KV head) items
+    outnumber the SMs, one persistent grid over the batch (`attention_ws.batch_split_partials`: each CTA runs
+    several items, one wave). A split's arithmetic is the same in every grid and no arithmetic mixes two slots,
+    so each slot's rows are the bits of its call alone (docs/design.md, rules 2 and 9)."""
 
     @jax.custom_batching.custom_vmap
     def tile(q, kv_cache, start_arr):
@@ -378,33 +380,34 @@ def _slot_tile(**static):
 
     @tile.def_vmap
     def _(axis_size, in_batched, q, kv_cache, start_arr):
-        batch = axis_size if static["mosaic"] and static["ctas"] is None else 1
-        call = functools.partial(_attention_tile, **dict(static, batch=batch))
+        sized = static["mosaic"] and static["ctas"] is None  # the Mosaic GPU grid, sized for the batch
+        if sized and all(in_batched) and attention_ws.batch_grid(axis_size, kv_cache.shape[2]):
+            return _batch_tile(q, kv_cache, start_arr, **static), True
+        call = functools.partial(_attention_tile, **dict(static, batch=axis_size if sized else 1))
         return jax.vmap(call, in_axes=tuple(0 if b else None for b in in_batched))(q, kv_cache, start_arr), True
 
     return tile
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "m",
-        "scale",
-        "interpret",
-        "fold_heads",
-        "block_k",
-        "splits",
-        "num_warps",
-        "num_stages",
-        "combine_rows",
-        "combine_chunk",
-        "combine_warps",
-        "combine_stages",
-        "mosaic",
-        "ctas",
-        "batch",
-    ),
+_STATIC = (
+    "m",
+    "scale",
+    "interpret",
+    "fold_heads",
+    "block_k",
+    "splits",
+    "num_warps",
+    "num_stages",
+    "combine_rows",
+    "combine_chunk",
+    "combine_warps",
+    "combine_stages",
+    "mosaic",
+    "ctas",
 )
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "batch"))
 def _attention_tile(
     q,
     kv_cache,
@@ -454,19 +457,63 @@ def _attention_tile(
             num_warps=num_warps,
             num_stages=num_stages,
         )
+    return _merge(
+        start_arr,
+        parts,
+        q_heads=q.shape[1],
+        group=q.shape[1] // kv_cache.shape[1],
+        m=m,
+        mosaic=mosaic,
+        splits=splits,
+        interpret=interpret,
+        combine_rows=combine_rows,
+        combine_chunk=combine_chunk,
+        combine_warps=combine_warps,
+        combine_stages=combine_stages,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _batch_tile(q, kv_cache, start_arr, **static):
+    """`_attention_tile` of B slots at once in one persistent Mosaic GPU grid: q [B, ROW_TILE, Hq, D], kv_cache
+    [B, S, Hkv, 2, D], start_arr int32 [B, 2] -> [B, out rows, Hq, D], slot b's rows the bits of
+    `_attention_tile(q[b], kv_cache[b], start_arr[b])` (the split kernels' partials agree bit for bit, and the
+    combine runs per slot)."""
+    parts = attention_ws.batch_split_partials(
+        q,
+        kv_cache,
+        start_arr,
+        scale=static["scale"],
+        splits=static["splits"],
+        block_k=static["block_k"],
+        ring=static["num_stages"],
+    )
+    merge = functools.partial(
+        _merge,
+        q_heads=q.shape[2],
+        group=q.shape[2] // kv_cache.shape[2],
+        **{k: static[k] for k in ("m", "mosaic", "splits", "interpret")},
+        **{k: static[k] for k in ("combine_rows", "combine_chunk", "combine_warps", "combine_stages")},
+    )
+    return jax.vmap(merge)(start_arr, parts)
+
+
+def _merge(start_arr, parts, *, q_heads, group, m, mosaic, splits, interpret, **combine_args):
+    """The combine of a call's split partials (either split kernel's layout) into its first ceil(m / combine_rows)
+    * combine_rows rows [.., q_heads, D]."""
     return combine(
         start_arr,
         *parts,
-        q_heads=q.shape[1],
-        head_rows=attention_ws.head_rows(q.shape[1] // kv_cache.shape[1]) if mosaic else ROW_TILE,
+        q_heads=q_heads,
+        head_rows=attention_ws.head_rows(group) if mosaic else ROW_TILE,
         chunk_rows=attention_ws.WG_ROWS if mosaic else parts[0].shape[2],
         splits=splits,
         interpret=interpret,
-        rows=combine_rows,
-        chunk=combine_chunk,
-        warps=combine_warps,
-        stages=combine_stages,
-        out_rows=-(-m // combine_rows) * combine_rows,
+        rows=combine_args["combine_rows"],
+        chunk=combine_args["combine_chunk"],
+        warps=combine_args["combine_warps"],
+        stages=combine_args["combine_stages"],
+        out_rows=-(-m // combine_args["combine_rows"]) * combine_args["combine_rows"],
     )
 
 

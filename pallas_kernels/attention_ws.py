@@ -12,7 +12,14 @@ runs, per block, S = Q K^T (wgmma, float32), the mask and online softmax in regi
 bfloat16 from registers), starting a split's state fresh at its first block and storing its partial after its
 last. Blocks past the last position any tile row attends are never loaded, and dead splits and chunks cost no CTA:
 a decode runs chunk 0 only. So decode and verify run one kernel on the same shapes, whatever M; they differ only
-in the data. GPU only (the Pallas Mosaic GPU API of jax >= 0.11).
+in the data.
+
+A batch's slots (jspec.batch, under `jax.vmap`) whose (slot, KV head) items outnumber the SMs run
+`batch_split_partials` instead: one persistent grid over the whole batch, each CTA running several items' splits
+in one pipeline (the query tile pipelined beside K and V), so the batch is one wave of CTAs rather than several
+waves each paying a pipeline's fill and drain. Both kernels run a split with the same code (`_walk`, `_attend`,
+`_store`), so a slot's partials are the same bits in either grid. GPU only (the Pallas Mosaic GPU API of
+jax >= 0.11).
 """
 
 from __future__ import annotations
@@ -56,6 +63,122 @@ def ctas_per_head(hkv: int, chunks: int, n_split: int, batch: int = 1) -> int:
     return max(chunks, min(sm_count() // (batch * hkv), chunks * n_split))
 
 
+def batch_grid(batch: int, hkv: int) -> bool:
+    """Whether a call on `batch` caches at once runs `batch_split_partials` (its (slot, KV head) items outnumber the
+    SMs, so a grid of one CTA each would run in several waves) rather than `split_partials` under `jax.vmap`."""
+    return batch * hkv > sm_count()
+
+
+def batch_ctas(items: int) -> int:
+    """CTAs of `batch_split_partials` for `items` (slot, KV head) items: each takes ceil(items / SMs) of them, and
+    the grid is the fewest CTAs that hold them all (512 items on 132 SMs: 128 CTAs of 4)."""
+    per_cta = -(-items // sm_count())
+    return -(-items // per_cta)
+
+
+def _walk(splits, block_k: int, last, slot=0, slots=1):
+    """The splits one CTA computes for one chunk whose rows attend positions up to `last` (traced): splits slot,
+    slot + slots, ... of those holding a position <= last (traced slot, slots; 0, 1: all of them), near splits
+    first -> (items: how many, steps: their blocks, locate: pipeline step t -> (split j, its first position, block
+    within it, its block count)). The last live split needs only its blocks up to the one holding `last`."""
+    near_blocks, far_blocks = splits.size // block_k, splits.far_size // block_k
+    live = splits.live(last)  # splits 0 .. live - 1 hold a position <= last
+    last_blocks = jax.lax.div(last - splits.first(live - 1), block_k) + 1
+
+    def count(total):  # how many of splits 0 .. total - 1 are this CTA's
+        return jnp.where(slot < slots, jnp.maximum(jax.lax.div(total - slot + slots - 1, slots), 0), 0)
+
+    items = count(live)
+    near_items = jnp.minimum(count(splits.near), items)
+    near_steps = near_items * near_blocks
+
+    def blocks_of(j):  # blocks split j reads: all of them, but the last live split's up to `last`
+        full = splits.blocks(j, block_k)
+        return jnp.where(j == live - 1, jnp.minimum(full, last_blocks), full)
+
+    def locate(t):
+        in_near = t < near_steps
+        far_t = jnp.maximum(t - near_steps, 0)
+        k = jnp.where(in_near, jax.lax.div(t, near_blocks), near_items + jax.lax.div(far_t, far_blocks))
+        b = jnp.where(in_near, jax.lax.rem(t, near_blocks), jax.lax.rem(far_t, far_blocks))
+        j = slot + k * slots
+        return j, splits.first(j), b, blocks_of(j)
+
+    # only the CTA's last split can be the truncated last live split
+    last_j = slot + (items - 1) * slots
+    steps = near_steps + (items - near_items) * far_blocks - splits.blocks(last_j, block_k) + blocks_of(last_j)
+    return items, jnp.where(items > 0, steps, 0), locate
+
+
+def _fresh_state(d: int):
+    """The online softmax state of a split before its first block: acc [WG_ROWS, D] = 0, m = -inf, l = 0
+    [WG_ROWS] (float32, in the wgmma layouts)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    reduced = plgpu.Layout.WGMMA.reduce(1)
+    return (
+        plgpu.layout_cast(jnp.zeros((WG_ROWS, d), jnp.float32), plgpu.Layout.WGMMA),
+        plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), reduced),
+        plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), reduced),
+    )
+
+
+def _attend(q_smem, k_smem, v_smem, state, *, fresh, base, chunk_start, per_head: int, c: float, block_k: int):
+    """One [block_k, D] K and V block at positions base.. into a split's online softmax state (acc, m, l; exp2
+    domain; fresh: the split's first block, the state starts over): S = Q K^T (wgmma, float32), tile row r sees
+    positions <= chunk_start + r % per_head, then acc += P V (P bfloat16 from registers) -> the new state."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    acc, m, den = state
+    acc = jnp.where(fresh, 0.0, acc)  # a select, not a branch: no wgmma under a branch
+    m = jnp.where(fresh, -jnp.inf, m)
+    den = jnp.where(fresh, 0.0, den)
+
+    def qk(s_ref):
+        plgpu.wgmma(s_ref, q_smem, k_smem.transpose((1, 0)))
+        return s_ref[...]
+
+    s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, block_k), jnp.float32))
+    row = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+    col = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+    s = jnp.where(base + col <= chunk_start + jax.lax.rem(row, per_head), s * c, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_use, s.shape, [0]))
+    alpha = jnp.where(m_new == m, 1.0, jnp.exp2(m - m_use))
+    den = den * alpha + p.sum(axis=1)
+    acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+    def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), v_smem)
+
+    return pl.run_state(pv)(plgpu.ACC.init(acc)), m_new, den
+
+
+def _store(state, o_smem, ml_smem, o_dst, m_dst, l_dst) -> None:
+    """A split's partial from its final state: out = acc / l (0 where nothing was visible) in bfloat16, m and l,
+    through shared memory into the gmem slices o_dst [WG_ROWS, D], m_dst and l_dst [WG_ROWS]."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    acc, m, den = state
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read o_smem, ml_smem
+    inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)
+    o_smem[...] = (acc * jax.lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
+    ml_smem.at[0][...] = m
+    ml_smem.at[1][...] = den
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_dst)
+    plgpu.copy_smem_to_gmem(ml_smem.at[0], m_dst)
+    plgpu.copy_smem_to_gmem(ml_smem.at[1], l_dst)
+
+
+def _tf():
+    """The tiling and swizzle of every [*, D] bfloat16 shared-memory tile (q, K, V, out)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "block_k", "ring", "ctas", "batch"))
 def split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring, ctas=None, batch=1):
     """q [ROW_TILE, Hq, D] bf16 (row r at position start + r), kv_cache [S, Hkv, 2, D] bf16, start_arr int32 [2] =
@@ -82,46 +205,18 @@ def split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring, ctas
     ctas = ctas or ctas_per_head(hkv, chunks, n_split, batch)
     if ctas < chunks:
         raise ValueError(f"attention: {ctas} CTAs per KV head cannot hold the {chunks} chunks of a row tile")
-    near_blocks, far_blocks = splits.size // block_k, splits.far_size // block_k
     qt = query_tile(q, hkv, per_head, WG_ROWS)
-    tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    tf = _tf()
     c = scale * _LOG2E
 
     def jspec_attention_ws(start_gmem, q_gmem, kv_gmem, o_gmem, m_gmem, l_gmem, q_smem, o_smem, ml_smem, q_bar):
         head, cta = jax.lax.axis_index("h"), jax.lax.axis_index("c")
         start, valid = start_gmem[0], start_gmem[1]
-        last = start + ROW_TILE - 1  # the last position any tile row attends
-        live = splits.live(last)  # splits 0 .. live - 1 hold a position <= last
         live_chunks = jax.lax.div(valid + per_head - 1, per_head)
         chunk, slot = jax.lax.rem(cta, live_chunks), jax.lax.div(cta, live_chunks)
         slots = jax.lax.div(jnp.int32(ctas), live_chunks)  # CTAs per chunk
         chunk_start = start + chunk * per_head  # position of this chunk's tile row 0
-        # the last live split needs only its blocks up to the one holding `last`
-        last_blocks = jax.lax.div(last - splits.first(live - 1), block_k) + 1
-
-        def count(total):  # how many of splits 0 .. total - 1 are this CTA's
-            return jnp.where(slot < slots, jnp.maximum(jax.lax.div(total - slot + slots - 1, slots), 0), 0)
-
-        items = count(live)
-        near_items = jnp.minimum(count(splits.near), items)  # the near splits come first
-        near_steps = near_items * near_blocks
-
-        def blocks_of(j):  # blocks split j reads: all of them, but the last live split's up to `last`
-            full = splits.blocks(j, block_k)
-            return jnp.where(j == live - 1, jnp.minimum(full, last_blocks), full)
-
-        def locate(t):
-            """Pipeline step t -> (split, its first position, block within it, its block count)."""
-            in_near = t < near_steps
-            far_t = jnp.maximum(t - near_steps, 0)
-            k = jnp.where(in_near, jax.lax.div(t, near_blocks), near_items + jax.lax.div(far_t, far_blocks))
-            b = jnp.where(in_near, jax.lax.rem(t, near_blocks), jax.lax.rem(far_t, far_blocks))
-            j = slot + k * slots
-            return j, splits.first(j), b, blocks_of(j)
-
-        # only the CTA's last split can be the truncated last live split
-        last_j = slot + (items - 1) * slots
-        steps = near_steps + (items - near_items) * far_blocks - splits.blocks(last_j, block_k) + blocks_of(last_j)
+        items, steps, locate = _walk(splits, block_k, start + ROW_TILE - 1, slot, slots)
 
         @pl.when(items > 0)
         def _():
@@ -129,60 +224,39 @@ def split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring, ctas
                 _, first, b, _ = locate(t)
                 return jax.lax.div(first, block_k) + b, 2 * head + kv
 
-            def body(idx, k_smem, v_smem, carry):
+            def body(idx, k_smem, v_smem, state):
                 j, first, b, nb = locate(idx[0])
-                fresh = b == 0  # a split starts: fresh state (a select, not a branch: no wgmma under a branch)
-                acc, m, den = carry
-                acc = jnp.where(fresh, 0.0, acc)
-                m = jnp.where(fresh, -jnp.inf, m)
-                den = jnp.where(fresh, 0.0, den)
-                base = first + b * block_k
-
-                def qk(s_ref):
-                    plgpu.wgmma(s_ref, q_smem, k_smem.transpose((1, 0)))
-                    return s_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, block_k), jnp.float32))
-                row = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-                col = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-                s = jnp.where(base + col <= chunk_start + jax.lax.rem(row, per_head), s * c, -jnp.inf)
-                m_new = jnp.maximum(m, s.max(axis=1))
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_use, s.shape, [0]))
-                alpha = jnp.where(m_new == m, 1.0, jnp.exp2(m - m_use))
-                den = den * alpha + p.sum(axis=1)
-                acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), v_smem)
-
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                state = _attend(
+                    q_smem,
+                    k_smem,
+                    v_smem,
+                    state,
+                    fresh=b == 0,
+                    base=first + b * block_k,
+                    chunk_start=chunk_start,
+                    per_head=per_head,
+                    c=c,
+                    block_k=block_k,
+                )
 
                 @pl.when(b == nb - 1)  # the split ends: store its partial
                 def _():
                     tile = pl.ds(chunk * WG_ROWS, WG_ROWS)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read o_smem, ml_smem
-                    inv = jnp.where(den > 0, 1.0 / jnp.where(den > 0, den, 1.0), 0.0)  # nothing visible: out = 0
-                    o_smem[...] = (acc * jax.lax.broadcast_in_dim(inv, acc.shape, [0])).astype(jnp.bfloat16)
-                    ml_smem.at[0][...] = m_new
-                    ml_smem.at[1][...] = den
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[head, j, tile])
-                    plgpu.copy_smem_to_gmem(ml_smem.at[0], m_gmem.at[head, j, tile])
-                    plgpu.copy_smem_to_gmem(ml_smem.at[1], l_gmem.at[head, j, tile])
+                    _store(
+                        state,
+                        o_smem,
+                        ml_smem,
+                        o_gmem.at[head, j, tile],
+                        m_gmem.at[head, j, tile],
+                        l_gmem.at[head, j, tile],
+                    )
 
-                return acc, m_new, den
+                return state
 
             def compute_context(eval_pipeline):
                 plgpu.copy_gmem_to_smem(q_gmem.at[head, pl.ds(chunk * WG_ROWS, WG_ROWS)], q_smem, q_bar)
                 plgpu.barrier_wait(q_bar)
-                reduced = plgpu.Layout.WGMMA.reduce(1)
-                init = (
-                    plgpu.layout_cast(jnp.zeros((WG_ROWS, d), jnp.float32), plgpu.Layout.WGMMA),
-                    plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), reduced),
-                    plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), reduced),
-                )
-                eval_pipeline(init)
+                eval_pipeline(_fresh_state(d))
                 plgpu.wait_smem_to_gmem(0)
 
             plgpu.emit_pipeline_warp_specialized(
@@ -218,5 +292,143 @@ def split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring, ctas
             ml_smem=plgpu.SMEM((2, WG_ROWS), jnp.float32),
             q_bar=plgpu.Barrier(),
         ),
-        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+        compiler_params=_compiler_params(),
     )(start_arr, qt, kv_cache.reshape(s_len, hkv * 2 * d))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "block_k", "ring"))
+def batch_split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring):
+    """A batch's partials in one persistent grid: q [B, ROW_TILE, Hq, D] bf16, kv_cache [B, S, Hkv, 2, D] bf16,
+    start_arr int32 [B, 2] (each slot's start and valid rows) -> o [B, Hkv, NS, C * WG_ROWS, D] bf16, m and l
+    [B, Hkv, NS, C * WG_ROWS] float32, where slot b's are `split_partials`' of (q[b], kv_cache[b], start_arr[b]),
+    bit for bit (splits and chunks neither computes are left unwritten).
+
+    The B x Hkv (slot, KV head) items are dealt to `batch_ctas` CTAs, item i to CTA i % G. A CTA runs all the live
+    chunks and splits of its items one after another in one pipeline, the query tile a pipelined input beside the
+    K and V blocks: one item's loads overlap the previous item's arithmetic, and the batch runs in one wave where a
+    grid of one CTA per item runs in B x Hkv / SMs waves, each paying its pipeline's fill and drain. A split's blocks
+    and arithmetic are `split_partials`' (`_attend`, `_store`; fresh state at its first block), so its bits depend
+    neither on the CTA that computes it nor on what that CTA computed before."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    from pallas_kernels.attention_kernel import query_tile  # here: attention_kernel imports this module
+
+    batch, _, hq, d = q.shape
+    _, s_len, hkv, _, _ = kv_cache.shape
+    group = hq // hkv
+    per_head = head_rows(group)
+    chunks = -(-ROW_TILE // per_head)
+    n_split = splits.count(s_len)
+    items = batch * hkv
+    grid = batch_ctas(items)
+    per_cta = -(-items // grid)
+    s_blocks = s_len // block_k
+    qt = jax.vmap(lambda x: query_tile(x, hkv, per_head, WG_ROWS))(q).reshape(items * chunks * WG_ROWS, d)
+    tf = _tf()
+    c = scale * _LOG2E
+
+    def jspec_attention_ws_batch(start_gmem, q_gmem, kv_gmem, o_gmem, m_gmem, l_gmem, o_smem, ml_smem):
+        cta = jax.lax.axis_index("c")
+        # this CTA's items cta, cta + grid, ...: slot, KV head, last attended position, steps a chunk, first step
+        mine, total = [], jnp.int32(0)
+        for i in range(per_cta):
+            item = cta + i * grid
+            real = item < items
+            item = jnp.minimum(item, items - 1)
+            slot = jax.lax.div(item, hkv)
+            last = start_gmem[slot, 0] + ROW_TILE - 1
+            _, chunk_steps, _ = _walk(splits, block_k, last)
+            live_chunks = jax.lax.div(start_gmem[slot, 1] + per_head - 1, per_head)
+            mine.append((slot, jax.lax.rem(item, hkv), last, chunk_steps, total))
+            total = total + jnp.where(real, live_chunks * chunk_steps, 0)
+
+        def at(t):
+            """Pipeline step t -> (slot, KV head, chunk, split j, its first position, block b in it, its block
+            count, the chunk's first row position)."""
+            item = mine[0]
+            for later in mine[1:]:  # the last item starting at or before t (an empty item is passed over)
+                item = tuple(jnp.where(t >= later[4], new, old) for new, old in zip(later, item, strict=True))
+            slot, head, last, chunk_steps, offset = item
+            chunk = jax.lax.div(t - offset, chunk_steps)
+            _, _, locate = _walk(splits, block_k, last)
+            j, first, b, nb = locate(jax.lax.rem(t - offset, chunk_steps))
+            return slot, head, chunk, j, first, b, nb, last - (ROW_TILE - 1) + chunk * per_head
+
+        def q_block(t):  # the query tiles viewed [B * Hkv * C * WG_ROWS, D]
+            slot, head, chunk, *_ = at(t)
+            return (slot * hkv + head) * chunks + chunk, 0
+
+        def kv_block(t, kv):  # the caches viewed [B * S, Hkv * 2 * D]
+            slot, head, _, _, first, b, _, _ = at(t)
+            return slot * s_blocks + jax.lax.div(first, block_k) + b, 2 * head + kv
+
+        def body(idx, q_smem, k_smem, v_smem, state):
+            slot, head, chunk, j, first, b, nb, chunk_start = at(idx[0])
+            state = _attend(
+                q_smem,
+                k_smem,
+                v_smem,
+                state,
+                fresh=b == 0,
+                base=first + b * block_k,
+                chunk_start=chunk_start,
+                per_head=per_head,
+                c=c,
+                block_k=block_k,
+            )
+
+            @pl.when(b == nb - 1)  # the split ends: store its partial
+            def _():
+                tile = pl.ds(chunk * WG_ROWS, WG_ROWS)
+                dst = (slot, head, j, tile)
+                _store(state, o_smem, ml_smem, o_gmem.at[dst], m_gmem.at[dst], l_gmem.at[dst])
+
+            return state
+
+        def compute_context(eval_pipeline):
+            eval_pipeline(_fresh_state(d))
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(total > 0)
+        def _():
+            plgpu.emit_pipeline_warp_specialized(
+                body,
+                grid=(total,),
+                memory_registers=40,
+                in_specs=[
+                    plgpu.BlockSpec((WG_ROWS, d), q_block, transforms=tf),
+                    plgpu.BlockSpec((block_k, d), lambda t: kv_block(t, 0), transforms=tf),
+                    plgpu.BlockSpec((block_k, d), lambda t: kv_block(t, 1), transforms=tf),
+                ],
+                wg_axis="wg",
+                num_compute_wgs=1,
+                max_concurrent_steps=ring,
+                compute_context=compute_context,
+            )(q_gmem, kv_gmem, kv_gmem)
+
+    rows = chunks * WG_ROWS
+    out_type = (
+        jax.ShapeDtypeStruct((batch, hkv, n_split, rows, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, hkv, n_split, rows), jnp.float32),
+        jax.ShapeDtypeStruct((batch, hkv, n_split, rows), jnp.float32),
+    )
+    return plgpu.kernel(
+        jspec_attention_ws_batch,
+        out_type=out_type,
+        grid=(grid,),
+        grid_names=("c",),
+        num_threads=2,
+        thread_name="wg",
+        scratch_types=dict(
+            o_smem=plgpu.SMEM((WG_ROWS, d), jnp.bfloat16, transforms=tf),
+            ml_smem=plgpu.SMEM((2, WG_ROWS), jnp.float32),
+        ),
+        compiler_params=_compiler_params(),
+    )(start_arr, qt, kv_cache.reshape(batch * s_len, hkv * 2 * d))
+
+
+def _compiler_params():
+    """Both kernels' Mosaic GPU compiler parameters (approximate exp2, lane semantics)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)

@@ -8,6 +8,8 @@
    other shapes). On the GPU, one round's kernel time by group (int4 kernels, attention, XLA ops) against the rows
    it runs, and the int4 products of one layer and the lm_head at 16 .. 128 rows: several row tiles per launch
    against one.
+   Each B's tokens/s also against `Engine.generate` of the first prompt alone (`vs_engine_generate`, host loop,
+   prefill excluded alike): the B = 1 engine of generate_batch runs a slot's bookkeeping a plain step does not.
 2. Prompt lookup at B = 4 and 8 with k = 3 and 7 on the e2e section's echo prompts (each slot its own prompt):
    tokens/s against greedy at the same B, mean_accepted; every sequence's tokens against the engine's greedy
    batch (speculative == greedy, an identity check).
@@ -91,6 +93,14 @@ def section_batch(ctx: Context, sec: dict) -> None:
         sec["int4_rows"] = {"error": _error_text(e)}
     ctx.report.save()
     peer = _HFBatches(ctx, name) if opts.peer_hf else None
+    greedy_alone(0, prompts[0][1])  # warm
+    one = single.generate(prompts[0][1], n, eos_id=()).stats
+    decode_s = one.wall_time_s - one.prefill_time_s
+    sec["engine_generate"] = {  # one sequence without a batch: the B = 1 a user has without generate_batch
+        "new_tokens": one.new_tokens,
+        "decode_tok_s": one.new_tokens / decode_s,
+        "ms_per_step": 1e3 * decode_s / (one.decode_steps + one.verify_steps),
+    }
     sec["greedy"] = {}
     base = None
     for b in sizes:
@@ -113,6 +123,7 @@ def section_batch(ctx: Context, sec: dict) -> None:
         r["same_as_b1_engine"] = sum(out.results[i].tokens == greedy_alone(i, batch[i]) for i in range(b))
         base = r["decode_tok_s"] if b == 1 else base
         r["vs_b1"] = r["decode_tok_s"] / base if base else None
+        r["vs_engine_generate"] = r["decode_tok_s"] / sec["engine_generate"]["decode_tok_s"]
         try:
             r["round_kernels"] = _round_kernels(engine, batch, n, 1e3 * r["ms_per_round"])
         except Exception as e:  # the profiler is an add-on (another tool may hold CUPTI): record why, go on
@@ -183,8 +194,8 @@ def _round_kernels(engine: Engine, batch: list, n: int, per_round_us: float) -> 
     def run(tokens: int) -> None:
         rounds_of[tokens] = engine.generate_batch(batch, tokens, eos_id=()).stats.rounds
 
-    prefill = kernel_times(profile(lambda: run(1)), 1)
-    full = kernel_times(profile(lambda: run(n)), 1)
+    prefill = kernel_times(profile(lambda: run(1)), 1, every_kernel=True)
+    full = kernel_times(profile(lambda: run(n)), 1, every_kernel=True)
     rounds = rounds_of[n]
     kernel_us = (full["kernel_us"] - prefill["kernel_us"]) / rounds
     groups = {g: round((us - prefill["groups_us"].get(g, 0.0)) / rounds, 1) for g, us in full["groups_us"].items()}
@@ -196,8 +207,15 @@ def _round_kernels(engine: Engine, batch: list, n: int, per_round_us: float) -> 
         "groups_us_per_round": groups,
         # the profiler drops events past its buffer: a round's kernels must fit in its measured wall time
         "plausible": bool(0.5 * per_round_us <= kernel_us <= 1.05 * per_round_us),
-        "top_kernels_us_whole_run": full["top_kernels_us"],
+        "top_kernels_us_per_round": _top_per_round(full["by_name_us"], prefill["by_name_us"], rounds),
     }
+
+
+def _top_per_round(full: dict, prefill: dict, rounds: int, top: int = 16) -> dict:
+    """{kernel name: us per round} of the `top` costliest kernels of a run's rounds: each name's time in the run of
+    n tokens minus that in the prefills alone, over the rounds."""
+    per_round = {name: (us - prefill.get(name, 0.0)) / rounds for name, us in full.items()}
+    return {name[:80]: round(us, 1) for name, us in sorted(per_round.items(), key=lambda kv: -kv[1])[:top]}
 
 
 def _int4_rows(params: dict) -> dict | None:
