@@ -381,7 +381,8 @@ def _slot_tile(**static):
     @tile.def_vmap
     def _(axis_size, in_batched, q, kv_cache, start_arr):
         sized = static["mosaic"] and static["ctas"] is None  # the Mosaic GPU grid, sized for the batch
-        if sized and all(in_batched) and attention_ws.batch_grid(axis_size, kv_cache.shape[2]):
+        hkv, d = kv_cache.shape[2], kv_cache.shape[4]
+        if sized and all(in_batched) and attention_ws.batch_grid(axis_size, hkv, d, static["block_k"]):
             return _batch_tile(q, kv_cache, start_arr, **static), True
         call = functools.partial(_attention_tile, **dict(static, batch=axis_size if sized else 1))
         return jax.vmap(call, in_axes=tuple(0 if b else None for b in in_batched))(q, kv_cache, start_arr), True

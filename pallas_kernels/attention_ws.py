@@ -63,10 +63,18 @@ def ctas_per_head(hkv: int, chunks: int, n_split: int, batch: int = 1) -> int:
     return max(chunks, min(sm_count() // (batch * hkv), chunks * n_split))
 
 
-def batch_grid(batch: int, hkv: int) -> bool:
-    """Whether a call on `batch` caches at once runs `batch_split_partials` (its (slot, KV head) items outnumber the
-    SMs, so a grid of one CTA each would run in several waves) rather than `split_partials` under `jax.vmap`."""
-    return batch * hkv > sm_count()
+SMEM_BYTES = 232448  # shared memory a CTA may take on the H200 (227 KiB)
+SMEM_RESERVE = 4096  # of it, what the pipeline's barriers and the tiles' alignment take beyond the tiles (measured:
+# head_dim 256's tiles and state are 229,920 bytes, the kernel asked for 232,480)
+
+
+def batch_grid(batch: int, hkv: int, head_dim: int, block_k: int = BLOCK_K) -> bool:
+    """Whether a call on `batch` caches at once runs `batch_split_partials`: its (slot, KV head) items outnumber the
+    SMs (a grid of one CTA each would run in several waves) and its ring of q, K and V tiles fits in shared memory
+    (head_dim 256 does not: 32 bytes over), rather than `split_partials` under `jax.vmap`."""
+    ring = stages(block_k, head_dim)
+    tiles = (ring * (WG_ROWS + 2 * block_k) + WG_ROWS) * head_dim * 2 + 2 * WG_ROWS * 4  # q, K, V ring; out; m, l
+    return batch * hkv > sm_count() and tiles + SMEM_RESERVE <= SMEM_BYTES
 
 
 def batch_ctas(items: int) -> int:

@@ -280,13 +280,13 @@ def test_slots_under_vmap_get_the_bits_of_their_calls_alone(interpret, hq, hkv, 
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
-@pytest.mark.parametrize("slots, hq, hkv, d", [(40, 16, 4, 128), (17, 40, 8, 128), (70, 4, 2, 256)])
+@pytest.mark.parametrize("slots, hq, hkv, d", [(40, 16, 4, 128), (17, 40, 8, 128), (70, 4, 2, 64)])
 def test_gpu_batch_grid_gives_each_slot_the_bits_of_its_call_alone(slots, hq, hkv, d):
     """A batch whose (slot, KV head) items outnumber the SMs runs one persistent grid over all of it
     (`attention_ws.batch_split_partials`: CTAs running several slots' splits in one pipeline): each slot's rows are
     the bits of its call alone (one slot's grid), for a decode, a verify tile and (40 heads on 8: two 64-row chunks
     of 12 rows a head) a full row tile, every slot at its own start across the near/far split boundary."""
-    assert attention_ws.batch_grid(slots, hkv)
+    assert attention_ws.batch_grid(slots, hkv, d)
     s_len = 1536
     starts = [(97 * i + 5) % (s_len - ROW_TILE) for i in range(slots)]
     q_hist, kv_hist = _history(jnp.bfloat16, seed=3, s_len=s_len, hq=hq, hkv=hkv, d=d)
@@ -308,7 +308,8 @@ def test_batch_grid_deals_every_item_to_one_wave():
     """The batch grid is taken only where one CTA per (slot, KV head) item would need more than one wave, and its
     CTAs hold every item, at most ceil(items / SMs) each, with no CTA left without one."""
     sms = attention_ws.sm_count()
-    assert not attention_ws.batch_grid(1, sms) and attention_ws.batch_grid(2, sms // 2 + 1)
+    assert not attention_ws.batch_grid(1, sms, 128) and attention_ws.batch_grid(2, sms // 2 + 1, 128)
+    assert not attention_ws.batch_grid(2 * sms, 1, 256)  # its ring of q, K and V would not fit in shared memory
     for items in (sms + 1, 2 * sms, 512, 1000, 4096):
         ctas, per_cta = attention_ws.batch_ctas(items), -(-items // sms)
         assert ctas <= sms and ctas * per_cta >= items > (ctas - 1) * per_cta, items

@@ -107,7 +107,7 @@ def main() -> None:
             slot_ctas = attention_ws.ctas_per_head(HKV, chunks, n_split, b)
             r = result["batches"][f"B{b}_M{m}"] = {
                 "kv_bytes": kv_bytes,
-                "batch_grid": attention_ws.batch_grid(b, HKV),
+                "batch_grid": attention_ws.batch_grid(b, HKV, D),
                 "batch_grid_ctas": attention_ws.batch_ctas(b * HKV),
                 "slot_grid_ctas": slot_ctas,
                 "variants": {},
