@@ -116,7 +116,11 @@ def main() -> None:
                 "default": {},
                 f"slot_grid_ctas{slot_ctas}": dict(ctas=slot_ctas),
                 "per_slot_grid": dict(ctas=per_slot_ctas),
-                **({"default_ring2": dict(num_stages=2), "default_ring3": dict(num_stages=3)} if r["default"] else {}),
+                **(
+                    {"default_ring2": dict(num_stages=2), "default_ring3": dict(num_stages=3)}
+                    if r["batch_grid"]
+                    else {}
+                ),
             }
             outs = {}
             for label, kw in variants.items():
