@@ -92,6 +92,30 @@ def test_quick_end_to_end(quick):
     assert variants["insert1"]["configs"]["lookup+gate/host"]["verify_steps"] == 0  # the gate never opens
 
 
+def _check_hybrid_e2e(e2e: dict) -> None:
+    """The hybrid section's end-to-end part: every configuration warmed (compiled) first, lookup hits, speculative
+    == greedy, the MTP round's cost and the speedup it predicts at the trained demo's acceptance."""
+    assert e2e["status"] == "done" and set(e2e["warmup_s"]) == {"greedy", "lookup k=3", "mtp k=3"}
+    assert e2e["lookup k=3"]["mean_accepted"] > 1
+    assert all(e2e[label]["identical"] for label in ("lookup k=3", "mtp k=3"))
+    mtp = e2e["mtp k=3"]
+    predicted = mtp["predicted_speedup_at_demo_acceptance"]
+    assert predicted["edit"] > predicted["free"] > 0 and "demo_hybrid_acceptance" in predicted["source"]
+    assert predicted["edit"] * mtp["round_vs_decode"] > 1  # the demo's mean_accepted back
+
+
+def test_hybrid_e2e_only_skips_the_steps(tmp_path):
+    """--hybrid-e2e-only: the end-to-end part alone (what the 27B-class shape's run needs on one command's time)."""
+    out = tmp_path / "r.json"
+    rc = jspec_bench.main(
+        ["--quick", "--sections", "hybrid", "--models", "qwen3.5", "--hybrid-e2e-only", "--out", str(out)]
+    )
+    hybrid = json.loads(out.read_text())["sections"]["hybrid"]
+    assert rc == 0 and "models" not in hybrid and hybrid["steps"].startswith("skipped")
+    assert hybrid["e2e"]["budget_decode_s"] > 0
+    _check_hybrid_e2e(hybrid["e2e"])
+
+
 def test_quick_peer_targets_plots_and_table(quick, capsys):
     _, data, out = quick
     peer = data["sections"]["peer"]
@@ -115,9 +139,8 @@ def test_quick_peer_targets_plots_and_table(quick, capsys):
     decode_bytes, verify_bytes = model["decode"]["bytes"], model["verify"]["3"]["bytes"]
     assert 0 < 4 * decode_bytes["state_writes"] == verify_bytes["state_writes"]  # one post-state kept a row
     assert verify_bytes["total"] == sum(verify_bytes[key] for key in ("weights", "cache", "state_writes"))
-    e2e = hybrid["e2e"]
-    assert e2e["status"] == "done" and e2e["lookup k=3"]["mean_accepted"] > 1
-    assert all(e2e[label]["identical"] for label in ("lookup k=3", "mtp k=3"))
+    _check_hybrid_e2e(hybrid["e2e"])
+    assert batch["engine_generate"]["decode_tok_s"] > 0 and batch["greedy"]["1"]["vs_engine_generate"] > 0
     shard = data["sections"]["tp_shard"]["models"]["llama-3-8b tp=2"]
     assert shard["status"] == "done" and shard["verify"]["7"]["bitwise_equal_decode"]
     assert shard["shard_config"]["num_heads"] == 2 and shard["collectives"]["all_reduce"] == 2 * 2 + 1

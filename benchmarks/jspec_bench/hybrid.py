@@ -10,8 +10,10 @@ depth, random int4 weights (`shapes.HYBRID_MODELS`: transformers' Qwen3.5 text s
    fixed cost (the intercept of a line through those times) and the state bytes it reads per row; on the GPU also
    the same from inside the measured steps (their kernel group over their Gated DeltaNet layers).
 3. End to end on the on-device loop, the last model measured: greedy, prompt lookup (k = 3) on an echo prompt, and
-   the random MTP head drafting k = 1, 2, 3 (its acceptance says nothing, its cost does), decode tok/s as (n minus
-   1) new tokens over the wall of n minus that of 1; tokens against greedy (an identity check); an MTP round's cost
+   the random MTP head drafting k = 1, 2, 3 (its acceptance says nothing, its cost does), all compiled first, the
+   engines concurrently (at the 27B-class shape an on-device executable compiles for minutes; `warmup_s`), then
+   decode tok/s as (n minus 1) new tokens over the wall of n minus that of 1 (--hybrid-e2e-only: this part alone,
+   without 1 and 2); tokens against greedy (an identity check); an MTP round's cost
    (head + verify) against a decode step, and the speedup that round predicts at the trained demo-hybrid's measured
    acceptance (`DEMO_ACCEPTANCE`: mean_accepted / round_vs_decode, per prompt category). The token mixers' outputs
    are scaled as in e2e (--o-factor), so the random model follows the echo.
@@ -37,12 +39,13 @@ from jspec_bench.e2e import E2E_COMPILE_WEIGHT, echo_prompt, random_filler
 from jspec_bench.report import Context
 from jspec_bench.shapes import HYBRID_MODELS, model_config, scale_attention_output
 from jspec_bench.steps import _load_model, _steps_for_models
-from jspec_bench.timing import kernel_times, profile
+from jspec_bench.timing import kernel_times, profile, run_parallel
 from pallas_kernels import ROW_TILE
 from pallas_kernels.recurrent import gdn_rows, l2_normalize
 
 KS = (1, 2, 3)  # verify draft lengths and MTP k (the workload's drafts are short)
 LOOKUP_K = 3
+ASSUMED_DECODE_BPS = 2e12  # --hybrid-e2e-only: the budget's decode step, weight bytes at this rate (H200: ~47%)
 # The trained demo-hybrid's MTP acceptance (benchmarks/demo_acceptance.py, all nine prompts): what a trained head
 # accepts, where the random 27B-class head accepts nothing.
 DEMO_ACCEPTANCE = os.path.join(os.path.dirname(__file__), "..", "results", "demo_hybrid_acceptance_cpu.json")
@@ -53,7 +56,16 @@ def section_hybrid(ctx: Context, sec: dict) -> None:
     names = [n for n in HYBRID_MODELS if n in opts.models]
     ks = (LOOKUP_K,) if opts.quick else KS  # quick: one verify and one MTP engine (compiles dominate on a CPU)
     sec["ks"] = list(ks)
-    _steps_for_models(ctx, sec, names, ks, keep=names[-1] if names else None)
+    last = names[-1] if names else None
+    if not opts.hybrid_steps:  # the end-to-end part alone
+        sec["steps"] = "skipped (--hybrid-e2e-only)"
+        if last is not None:
+            params, cfg, info = _load_model(ctx, last)
+            decode_s = info["param_bytes"] / ASSUMED_DECODE_BPS
+            sec["e2e"] = {"model": last, "status": "running", "budget_decode_s": decode_s}
+            end_to_end(ctx, sec["e2e"], last, params, cfg, ks, decode_s)
+        return
+    _steps_for_models(ctx, sec, names, ks, keep=last)
     done = [n for n in names if sec["models"][n].get("status") == "done"]
     for name in done:
         cfg = model_config(name, opts.quick)
@@ -61,12 +73,11 @@ def section_hybrid(ctx: Context, sec: dict) -> None:
         r["in_step"] = in_step_recurrent(sec["models"][name], cfg)
         print(f"  {name} recurrent kernel: {_recurrent_line(r)}", flush=True)
         ctx.report.save()
-    last = names[-1] if names else None
     if last not in done:
         ctx.kept.pop(last, None)
         return
     decode_s = sec["models"][last]["decode"]["time_s"]
-    why = ctx.budget.why_not(2 * _run_estimate(ctx, model_config(last, opts.quick), decode_s), "hybrid end to end")
+    why = ctx.budget.why_not(_e2e_estimate(ctx, model_config(last, opts.quick), decode_s, ks), "hybrid end to end")
     if why:
         ctx.kept.pop(last, None)
         sec["e2e"] = {"status": "skipped", "reason": why}
@@ -201,45 +212,74 @@ def _e2e_sizes(opts) -> tuple[int, int, int]:
     return (1, 8, 16) if opts.quick else (3, opts.new_tokens, opts.prompt_len)
 
 
-def _run_estimate(ctx: Context, cfg, decode_s: float) -> float:
-    """Seconds one on-device configuration of `end_to_end` takes: its compile (as the steps' compiles so far
-    predict, weighted like e2e's on-device engines) and 2 x repeats + 2 generations of its new tokens (each timed
-    pair's one-token run counted at full length: a margin) at about the decode step's time (the 27B-class shape's
-    took ~60 s where a fixed 40 s was assumed)."""
+def _configs(ks: tuple[int, ...]) -> dict:
+    """{label: (the engine's k, drafter)} of `end_to_end`: greedy, prompt lookup and MTP at each k."""
+    return {
+        "greedy": (LOOKUP_K, None),
+        f"lookup k={LOOKUP_K}": (LOOKUP_K, PromptLookup()),
+        **{f"mtp k={k}": (k, MTPDrafter()) for k in ks},
+    }
+
+
+def _e2e_estimate(ctx: Context, cfg, decode_s: float, ks: tuple[int, ...]) -> float:
+    """Seconds `end_to_end` takes: its on-device compiles (as the steps' compiles so far predict, weighted like
+    e2e's on-device engines; one thread per engine, +30% for contention) and, per configuration, 2 x repeats + 3
+    generations of its new tokens (the warm-up ones included, each timed pair's one-token run counted at full
+    length: a margin) at about the decode step's time."""
     repeats, n, _ = _e2e_sizes(ctx.opts)
+    configs = _configs(ks)
     compile_s = ctx.estimator.estimate(cfg.num_layers, E2E_COMPILE_WEIGHT[True])
-    return compile_s + (2 * repeats + 2) * n * decode_s
+    per_engine = max(sum(1 for k, _ in configs.values() if k == e) for e in {k for k, _ in configs.values()})
+    threads = min(ctx.opts.compile_threads, len({k for k, _ in configs.values()}))
+    waves = -(-len({k for k, _ in configs.values()}) // threads)
+    return 1.3 * compile_s * per_engine * waves + len(configs) * (2 * repeats + 3) * n * decode_s
 
 
 def end_to_end(ctx: Context, e2e: dict, name: str, params: dict, cfg, ks: tuple[int, ...], decode_s: float) -> None:
-    """Greedy, prompt lookup and MTP on the on-device loop into e2e (decode_s: the measured decode step, for the
-    budget)."""
+    """Greedy, prompt lookup and MTP on the on-device loop into e2e (decode_s: the decode step's time, for the
+    budget). Every configuration compiles first, the engines concurrently (one thread each, its configurations in
+    turn: `warmup_s` holds each one's compile and first run), then each is timed."""
     opts = ctx.opts
     repeats, n, plen = _e2e_sizes(opts)
     params = scale_attention_output(params, opts.o_factor)
     length = 2 * plen + n
     rng = np.random.default_rng(opts.seed + 29)
     p, filler = random_filler(rng, cfg.vocab_size, plen, n, length)
+    configs = _configs(ks)
     e2e.update(new_tokens=n, prompt_len=length, o_factor=opts.o_factor, loop="on device")
-    engines = {}
+    why = ctx.budget.why_not(_e2e_estimate(ctx, cfg, decode_s, ks), f"hybrid e2e of {name}")
+    if why:
+        e2e.update(status="skipped", reason=why)
+        return
+    engines = {
+        k: Engine(params, cfg, max_len=length + n + 16, k=k, prepare=opts.prepare_arg) for k, _ in configs.values()
+    }
 
-    def engine(k: int) -> Engine:
-        if k not in engines:
-            engines[k] = Engine(params, cfg, max_len=length + n + 16, k=k, prepare=opts.prepare_arg)
-        return engines[k]
+    def warm(k: int) -> dict:  # compile and run once each configuration of engine k (the filler prompt's shape)
+        out = {}
+        for label, (ek, drafter) in configs.items():
+            if ek == k:
+                t0 = time.perf_counter()
+                engines[k].generate(filler, n, eos_id=(), on_device=True, drafter=drafter)
+                out[label] = time.perf_counter() - t0
+        return out
 
     try:
-        greedy, e2e["greedy"] = _device_decode_rate(engine(LOOKUP_K), filler, n, repeats)
+        t0 = time.perf_counter()
+        warmed = run_parallel({str(k): functools.partial(warm, k) for k in engines}, opts.compile_threads)
+        e2e["warmup_s"] = {label: s for seconds, _ in warmed.values() for label, s in seconds.items()}
+        print(
+            f"  hybrid {name}: {len(configs)} configurations compiled in {time.perf_counter() - t0:.0f} s", flush=True
+        )
+        ctx.report.save()
+        greedy, e2e["greedy"] = _device_decode_rate(engines[LOOKUP_K], filler, n, repeats)
         echo = echo_prompt(p, greedy, None, rng, cfg.vocab_size, length)
-        want, e2e["greedy_echo"] = _device_decode_rate(engine(LOOKUP_K), echo, n, repeats)
-        runs = {f"lookup k={LOOKUP_K}": (LOOKUP_K, echo, want, PromptLookup())}
-        runs.update({f"mtp k={k}": (k, filler, greedy, MTPDrafter()) for k in ks})
-        for label, (k, prompt, expected, drafter) in runs.items():
-            why = ctx.budget.why_not(_run_estimate(ctx, cfg, decode_s), f"hybrid e2e {label}")
-            if why:
-                e2e[label] = {"status": "skipped", "reason": why}
+        want, e2e["greedy_echo"] = _device_decode_rate(engines[LOOKUP_K], echo, n, repeats)
+        for label, (k, drafter) in configs.items():
+            if label == "greedy":
                 continue
-            tokens, r = _device_decode_rate(engine(k), prompt, n, repeats, drafter=drafter)
+            prompt, expected = (echo, want) if label.startswith("lookup") else (filler, greedy)
+            tokens, r = _device_decode_rate(engines[k], prompt, n, repeats, drafter=drafter)
             r["identical"] = ctx.report.check_identity(tokens == expected, f"hybrid/{label}: tokens != greedy")
             r["speedup"] = r["decode_tok_s"] / (e2e["greedy_echo" if prompt is echo else "greedy"]["decode_tok_s"])
             if label.startswith("mtp"):

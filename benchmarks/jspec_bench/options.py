@@ -55,6 +55,7 @@ class Options:
     sampling_temperature: float = 0.7
     draft_model: str = "llama-3.2-1b"  # the draft_model section's drafter (a SHAPES name)
     draft_k: int = 4
+    hybrid_steps: bool = True  # the hybrid section's step and recurrent-kernel measurements (False: its e2e alone)
 
     @property
     def prepare_arg(self) -> bool | None:
@@ -95,6 +96,11 @@ def parse_args(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
     ap.add_argument("--sampling-temperature", type=float, help="the sampling section's temperature (default 0.7)")
     ap.add_argument("--draft-model", choices=sorted(SHAPES), help="the draft_model section's drafter (llama-3.2-1b)")
     ap.add_argument("--draft-k", type=int, help="the draft_model section's draft length (default 4)")
+    ap.add_argument(
+        "--hybrid-e2e-only",
+        action="store_true",
+        help="hybrid: the last model's end-to-end runs alone, without its step measurements",
+    )
     ap.add_argument("--readme-table", metavar="RESULTS.json", help="print the README markdown table of a results JSON")
     ap.add_argument("--replot", metavar="RESULTS.json", help="draw the plots of a results JSON into --plots")
     args = ap.parse_args(argv)
@@ -137,6 +143,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
         if value is not None:
             setattr(opts, field, value)
     opts.peer_hf = args.peer_hf
+    opts.hybrid_steps = not args.hybrid_e2e_only
     if args.ks:
         try:
             opts.ks = tuple(int(k) for k in args.ks.split(","))
