@@ -104,6 +104,16 @@ def _check_hybrid_e2e(e2e: dict) -> None:
     assert predicted["edit"] * mtp["round_vs_decode"] > 1  # the demo's mean_accepted back
 
 
+def test_describe_kernels_names_a_fusions_shape_kind_and_source_op():
+    """A profile's kernel names looked up in the executable's optimized HLO: shape, fusion kind, jax op; names that
+    are no instruction of it (a Pallas kernel's, another executable's) are left out."""
+    text = jax.jit(lambda x: jnp.tanh(x) * 2 + 1).lower(jnp.ones((8, 128))).compile().as_text()
+    fusion = next(line.split(" = ")[0].split("%")[-1] for line in text.splitlines() if "kind=kLoop" in line)
+    described = timing.describe_kernels(text, [fusion, "jspec_attention_combine"])
+    assert list(described) == [fusion] and described[fusion].startswith("f32[8,128]")
+    assert "kLoop: jit(<lambda>)/" in described[fusion]
+
+
 def test_hybrid_e2e_only_skips_the_steps(tmp_path):
     """--hybrid-e2e-only: the end-to-end part alone (what the 27B-class shape's run needs on one command's time)."""
     out = tmp_path / "r.json"

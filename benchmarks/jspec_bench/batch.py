@@ -33,7 +33,7 @@ from jspec_bench.peer import _hf_generate
 from jspec_bench.report import Context, _error_text
 from jspec_bench.shapes import hf_config_dict, scale_attention_output
 from jspec_bench.steps import _load_model
-from jspec_bench.timing import kernel_times, profile
+from jspec_bench.timing import describe_kernels, kernel_times, profile
 from pallas_kernels import ROW_TILE
 
 CHECKED = 3  # sequences per batch size run again alone in the same engine
@@ -207,8 +207,16 @@ def _round_kernels(engine: Engine, batch: list, n: int, per_round_us: float) -> 
         "groups_us_per_round": groups,
         # the profiler drops events past its buffer: a round's kernels must fit in its measured wall time
         "plausible": bool(0.5 * per_round_us <= kernel_us <= 1.05 * per_round_us),
-        "top_kernels_us_per_round": _top_per_round(full["by_name_us"], prefill["by_name_us"], rounds),
+        "top_kernels_us_per_round": (top := _top_per_round(full["by_name_us"], prefill["by_name_us"], rounds)),
+        # where the round's XLA fusions come from: the rounds executable's HLO (Engine internals, read-only)
+        "top_kernels_source": describe_kernels(_rounds_hlo(engine), top),
     }
+
+
+def _rounds_hlo(engine: Engine) -> str:
+    """The optimized HLO text of the engine's batch-rounds executable (the last one compiled)."""
+    (compiled,) = [exe for key, exe in engine._executables.items() if key[0] == "batch-rounds"][-1:]
+    return compiled.as_text()
 
 
 def _top_per_round(full: dict, prefill: dict, rounds: int, top: int = 16) -> dict:

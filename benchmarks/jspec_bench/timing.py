@@ -6,6 +6,7 @@ chained on its donated state."""
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import statistics
 import tempfile
 import threading
@@ -163,6 +164,20 @@ def kernel_times(profile, calls: int, every_kernel: bool = False) -> dict:
         "groups_us": {g: round(us, 1) for g, us in sorted(groups.items(), key=lambda kv: -kv[1])},
         "top_kernels_us": {name[:80]: round(us, 1) for name, us in top},
     } | ({"by_name_us": by_name} if every_kernel else {})
+
+
+def describe_kernels(hlo_text: str, names) -> dict:
+    """{kernel name: "<shape> <kind>: <op_name>"} for the profiler's kernel `names` that are instructions of an
+    optimized HLO module (`compiled.as_text()`): an XLA fusion's output shape, its fusion kind and the jax source
+    op its metadata names, so a profile's anonymous `loop_multiply_fusion` says where it comes from."""
+    out = {}
+    for name in names:
+        m = re.search(rf"^\s*(?:ROOT )?%{re.escape(name)} = (\S+) (\w+)\(.*?\)(.*)$", hlo_text, re.MULTILINE)
+        if m:
+            kind = re.search(r"kind=(\w+)", m.group(3))
+            op = re.search(r'op_name="([^"]*)"', m.group(3))
+            out[name] = f"{m.group(1)} {kind.group(1) if kind else m.group(2)}: {op.group(1) if op else '?'}"
+    return out
 
 
 def profile(run: Callable[[], None]):
