@@ -298,6 +298,26 @@ def test_cli_generates_with_the_bundled_hybrid_and_its_mtp_head(capsys):
     assert model.cfg.family == "qwen3_5" and model.cfg.num_mtp_layers == 1 and model.path == out["checkpoint"]
 
 
+def test_cli_reuses_the_executables_an_earlier_run_compiled(tmp_path):
+    """`--compile-cache DIR`: a second run with the same settings loads every executable from DIR (it adds no
+    entry) and gives the same tokens; `off` keeps none. Run as subprocesses: the cache is jax's process-wide
+    configuration."""
+    cache = tmp_path / "cache"
+    argv = [sys.executable, "-m", "jspec", "generate", "--prompt", "def add(a, b):", "--max-new-tokens", "8", "--json"]
+
+    def run(where: str) -> dict:
+        done = subprocess.run([*argv, "--compile-cache", where], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    first = run(str(cache))
+    entries = sorted(p.name for p in cache.iterdir())
+    second = run(str(cache))
+    assert first["compile_cache"] == second["compile_cache"] == str(cache) and entries
+    assert sorted(p.name for p in cache.iterdir()) == entries and second["tokens"] == first["tokens"]
+    assert run("off")["compile_cache"] is None
+
+
 def test_on_device_stats_print_no_zeros():
     stats = dataclasses.replace(SpecStats(), loop="device", new_tokens=4, wall_time_s=0.5, decode_steps=3)
     text = stats.summary()
