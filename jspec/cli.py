@@ -135,20 +135,18 @@ def _plan(args, path: str):
 
 
 def use_compile_cache(where: str | None) -> str | None:
-    """Turn on jax's persistent compilation cache -> the directory used: `where`, else $JSPEC_COMPILE_CACHE, else
-    the one jax was given ($JAX_COMPILATION_CACHE_DIR), else ~/.cache/jspec/xla; "off": none. A run then loads the
-    executables an earlier run with the same jax, device, model shapes and settings compiled instead of compiling
-    them again (an engine of the demo-hybrid compiles for ~40 s on the H200). A cached executable is the compiled
-    program itself: the tokens are the same."""
+    """Turn on jax's persistent compilation cache in `where` (None: $JSPEC_COMPILE_CACHE, else the directory jax was
+    given, if any; "off": none) -> the directory used. A run then loads the executables an earlier run with the same
+    jax, device, model shapes and settings compiled instead of compiling them again (an engine of the demo-hybrid
+    compiles for ~40 s on the H200). A cached executable is the compiled program itself: the tokens are the same.
+    Not on by default: loading the Mosaic GPU kernels' executables from the cache is not yet checked on a GPU."""
     import jax
 
     path = where or os.environ.get("JSPEC_COMPILE_CACHE")
-    if path is None and jax.config.jax_compilation_cache_dir:
-        return jax.config.jax_compilation_cache_dir
-    path = path or os.path.join(Path.home(), ".cache", "jspec", "xla")
-    if path == "off":
-        jax.config.update("jax_enable_compilation_cache", False)
-        return None
+    if path is None or path == "off":
+        if path == "off":
+            jax.config.update("jax_enable_compilation_cache", False)
+        return None if path == "off" else jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # what compiles slower than it loads
     return path
@@ -325,8 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--compile-cache",
         metavar="DIR",
-        help="keep compiled executables in DIR for later runs (default: $JSPEC_COMPILE_CACHE, else ~/.cache/jspec/xla; "
-        "'off': compile every run)",
+        help="keep compiled executables in DIR for later runs to load (default: $JSPEC_COMPILE_CACHE if set; "
+        "'off': none)",
     )
     g.set_defaults(func=cmd_generate)
 

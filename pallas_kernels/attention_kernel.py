@@ -381,8 +381,8 @@ def _slot_tile(**static):
     @tile.def_vmap
     def _(axis_size, in_batched, q, kv_cache, start_arr):
         sized = static["mosaic"] and static["ctas"] is None  # the Mosaic GPU grid, sized for the batch
-        hkv, d = kv_cache.shape[2], kv_cache.shape[4]
-        if sized and all(in_batched) and attention_ws.batch_grid(axis_size, hkv, d, static["block_k"]):
+        whole = sized and all(in_batched)  # every slot its own queries, cache ([B, S, Hkv, 2, D]) and start
+        if whole and attention_ws.batch_grid(axis_size, kv_cache.shape[2], kv_cache.shape[4], static["block_k"]):
             return _batch_tile(q, kv_cache, start_arr, **static), True
         call = functools.partial(_attention_tile, **dict(static, batch=axis_size if sized else 1))
         return jax.vmap(call, in_axes=tuple(0 if b else None for b in in_batched))(q, kv_cache, start_arr), True

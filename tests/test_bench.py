@@ -16,7 +16,7 @@ import jspec_bench
 from jspec import cli
 from jspec.models import dense
 from jspec.models.layers import Run
-from jspec_bench import plots, sections, shapes, steps, timing
+from jspec_bench import hybrid, plots, sections, shapes, steps, timing
 from tests.tiny import tiny_config, tiny_params
 
 
@@ -100,8 +100,11 @@ def _check_hybrid_e2e(e2e: dict) -> None:
     assert all(e2e[label]["identical"] for label in ("lookup k=3", "mtp k=3"))
     mtp = e2e["mtp k=3"]
     predicted = mtp["predicted_speedup_at_demo_acceptance"]
-    assert predicted["edit"] > predicted["free"] > 0 and "demo_hybrid_acceptance" in predicted["source"]
-    assert predicted["edit"] * mtp["round_vs_decode"] > 1  # the demo's mean_accepted back
+    demo = json.loads(Path(hybrid.DEMO_ACCEPTANCE).read_text())["summary"]
+    assert "demo_hybrid_acceptance" in predicted["source"]
+    for category in ("edit", "free"):  # the demo's mean_accepted over this round's cost (a CPU's timings: any sign)
+        want = demo[category]["mtp_k3"]["mean_accepted"]
+        assert predicted[category] * mtp["round_vs_decode"] == pytest.approx(want)
 
 
 def test_describe_kernels_names_a_fusions_shape_kind_and_source_op():
