@@ -180,6 +180,50 @@ def _store(state, o_smem, ml_smem, o_dst, m_dst, l_dst) -> None:
     plgpu.copy_smem_to_gmem(ml_smem.at[1], l_dst)
 
 
+def _split_step(q_smem, k_smem, v_smem, state, at, *, o_smem, ml_smem, parts, per_head: int, c: float, block_k: int):
+    """One pipeline step of a split: at = (split j, its first position, block b in it, its block count nb, the
+    chunk's first row position, the partials' index before the split, the chunk) -> block b into the state
+    (`_attend`), and after the split's last block its partial stored into parts (o, m, l gmem refs) at
+    [*index, j, the chunk's rows]. -> the new state."""
+    j, first, b, nb, chunk_start, index, chunk = at
+    state = _attend(
+        q_smem,
+        k_smem,
+        v_smem,
+        state,
+        fresh=b == 0,
+        base=first + b * block_k,
+        chunk_start=chunk_start,
+        per_head=per_head,
+        c=c,
+        block_k=block_k,
+    )
+
+    @pl.when(b == nb - 1)  # the split ends: store its partial
+    def _():
+        dst = (*index, j, pl.ds(chunk * WG_ROWS, WG_ROWS))
+        _store(state, o_smem, ml_smem, *(ref.at[dst] for ref in parts))
+
+    return state
+
+
+def _pipeline(body, steps, in_specs, ring: int, compute_context, *refs) -> None:
+    """Both kernels' pipeline: `steps` steps of body over in_specs' blocks of refs, one TMA warpgroup streaming
+    them through a `ring`-deep ring and one consumer warpgroup (compute_context sets it up and runs it)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(steps,),
+        memory_registers=40,
+        in_specs=in_specs,
+        wg_axis="wg",
+        num_compute_wgs=1,
+        max_concurrent_steps=ring,
+        compute_context=compute_context,
+    )(*refs)
+
+
 def _tf():
     """The tiling and swizzle of every [*, D] bfloat16 shared-memory tile (q, K, V, out)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -218,6 +262,7 @@ def split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring, ctas
     c = scale * _LOG2E
 
     def jspec_attention_ws(start_gmem, q_gmem, kv_gmem, o_gmem, m_gmem, l_gmem, q_smem, o_smem, ml_smem, q_bar):
+        kernel_args = dict(parts=(o_gmem, m_gmem, l_gmem), per_head=per_head, c=c, block_k=block_k)
         head, cta = jax.lax.axis_index("h"), jax.lax.axis_index("c")
         start, valid = start_gmem[0], start_gmem[1]
         live_chunks = jax.lax.div(valid + per_head - 1, per_head)
@@ -234,32 +279,8 @@ def split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring, ctas
 
             def body(idx, k_smem, v_smem, state):
                 j, first, b, nb = locate(idx[0])
-                state = _attend(
-                    q_smem,
-                    k_smem,
-                    v_smem,
-                    state,
-                    fresh=b == 0,
-                    base=first + b * block_k,
-                    chunk_start=chunk_start,
-                    per_head=per_head,
-                    c=c,
-                    block_k=block_k,
-                )
-
-                @pl.when(b == nb - 1)  # the split ends: store its partial
-                def _():
-                    tile = pl.ds(chunk * WG_ROWS, WG_ROWS)
-                    _store(
-                        state,
-                        o_smem,
-                        ml_smem,
-                        o_gmem.at[head, j, tile],
-                        m_gmem.at[head, j, tile],
-                        l_gmem.at[head, j, tile],
-                    )
-
-                return state
+                at = (j, first, b, nb, chunk_start, (head,), chunk)
+                return _split_step(q_smem, k_smem, v_smem, state, at, o_smem=o_smem, ml_smem=ml_smem, **kernel_args)
 
             def compute_context(eval_pipeline):
                 plgpu.copy_gmem_to_smem(q_gmem.at[head, pl.ds(chunk * WG_ROWS, WG_ROWS)], q_smem, q_bar)
@@ -267,19 +288,9 @@ def split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring, ctas
                 eval_pipeline(_fresh_state(d))
                 plgpu.wait_smem_to_gmem(0)
 
-            plgpu.emit_pipeline_warp_specialized(
-                body,
-                grid=(steps,),
-                memory_registers=40,
-                in_specs=[
-                    plgpu.BlockSpec((block_k, d), lambda t: block(t, 0), transforms=tf),
-                    plgpu.BlockSpec((block_k, d), lambda t: block(t, 1), transforms=tf),
-                ],
-                wg_axis="wg",
-                num_compute_wgs=1,
-                max_concurrent_steps=ring,
-                compute_context=compute_context,
-            )(kv_gmem, kv_gmem)
+            keys = plgpu.BlockSpec((block_k, d), lambda t: block(t, 0), transforms=tf)
+            values = plgpu.BlockSpec((block_k, d), lambda t: block(t, 1), transforms=tf)
+            _pipeline(body, steps, [keys, values], ring, compute_context, kv_gmem, kv_gmem)
 
     rows = chunks * WG_ROWS
     out_type = (
@@ -336,6 +347,7 @@ def batch_split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring
     c = scale * _LOG2E
 
     def jspec_attention_ws_batch(start_gmem, q_gmem, kv_gmem, o_gmem, m_gmem, l_gmem, o_smem, ml_smem):
+        kernel_args = dict(parts=(o_gmem, m_gmem, l_gmem), per_head=per_head, c=c, block_k=block_k)
         cta = jax.lax.axis_index("c")
         # this CTA's items cta, cta + grid, ...: slot, KV head, last attended position, steps a chunk, first step
         mine, total = [], jnp.int32(0)
@@ -372,26 +384,8 @@ def batch_split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring
 
         def body(idx, q_smem, k_smem, v_smem, state):
             slot, head, chunk, j, first, b, nb, chunk_start = at(idx[0])
-            state = _attend(
-                q_smem,
-                k_smem,
-                v_smem,
-                state,
-                fresh=b == 0,
-                base=first + b * block_k,
-                chunk_start=chunk_start,
-                per_head=per_head,
-                c=c,
-                block_k=block_k,
-            )
-
-            @pl.when(b == nb - 1)  # the split ends: store its partial
-            def _():
-                tile = pl.ds(chunk * WG_ROWS, WG_ROWS)
-                dst = (slot, head, j, tile)
-                _store(state, o_smem, ml_smem, o_gmem.at[dst], m_gmem.at[dst], l_gmem.at[dst])
-
-            return state
+            step = (j, first, b, nb, chunk_start, (slot, head), chunk)
+            return _split_step(q_smem, k_smem, v_smem, state, step, o_smem=o_smem, ml_smem=ml_smem, **kernel_args)
 
         def compute_context(eval_pipeline):
             eval_pipeline(_fresh_state(d))
@@ -399,20 +393,10 @@ def batch_split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring
 
         @pl.when(total > 0)
         def _():
-            plgpu.emit_pipeline_warp_specialized(
-                body,
-                grid=(total,),
-                memory_registers=40,
-                in_specs=[
-                    plgpu.BlockSpec((WG_ROWS, d), q_block, transforms=tf),
-                    plgpu.BlockSpec((block_k, d), lambda t: kv_block(t, 0), transforms=tf),
-                    plgpu.BlockSpec((block_k, d), lambda t: kv_block(t, 1), transforms=tf),
-                ],
-                wg_axis="wg",
-                num_compute_wgs=1,
-                max_concurrent_steps=ring,
-                compute_context=compute_context,
-            )(q_gmem, kv_gmem, kv_gmem)
+            queries = plgpu.BlockSpec((WG_ROWS, d), q_block, transforms=tf)
+            keys = plgpu.BlockSpec((block_k, d), lambda t: kv_block(t, 0), transforms=tf)
+            values = plgpu.BlockSpec((block_k, d), lambda t: kv_block(t, 1), transforms=tf)
+            _pipeline(body, total, [queries, keys, values], ring, compute_context, q_gmem, kv_gmem, kv_gmem)
 
     rows = chunks * WG_ROWS
     out_type = (

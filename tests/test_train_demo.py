@@ -20,6 +20,17 @@ from pallas_kernels import Int4Weight
 STDLIB_MODULES = ("argparse", "json/decoder", "json/encoder", "textwrap", "string", "fractions", "heapq", "bisect")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _trainers_write_no_cache_entries():
+    """The trainers' executables stay out of the suite's persistent compilation cache (conftest): two clean-clone CI
+    runs lost a worker in XLA:CPU while these tests wrote (abort in `executable.serialize`) or read (segfault in
+    `deserialize_executable`) an entry; each compiles once here anyway."""
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    yield
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
 @pytest.fixture(scope="module")
 def corpus_root(tmp_path_factory):
     """A directory with a few standard-library modules (the trainer's corpus)."""
