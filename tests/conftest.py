@@ -5,9 +5,9 @@
 parameter (norm weights and biases included), and saves config.json + model.safetensors into out_dir.
 
 The suite compiles the same small programs many times (every Engine of a test compiles its own executables), so it
-keeps XLA's persistent compilation cache across tests and the subprocesses they start (notebooks, the CLI), one
-directory per xdist worker: a program compiled once is loaded the next time. A cached executable is the compiled
-program itself, so no result depends on it; JSPEC_TEST_JAX_CACHE="" turns it off.
+shares XLA's persistent compilation cache across tests, workers and the subprocesses they start (notebooks, the
+CLI): a program compiled once is loaded the next time. A cached executable is the compiled program itself, so no
+result depends on it; JSPEC_TEST_JAX_CACHE="" turns it off.
 """
 
 from __future__ import annotations
@@ -17,18 +17,10 @@ import tempfile
 
 import pytest
 
-
-def pytest_configure(config):
-    """XLA's persistent compilation cache, one directory per xdist worker (before any test module imports jax): jax
-    writes an entry in place, without a lock, so two workers compiling the same program could interleave their
-    writes into one file (a clean-clone CI run once segfaulted loading an entry); a worker's subprocesses run while
-    it waits, so they share its directory safely."""
-    base = os.environ.get("JSPEC_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "jspec-test-jax-cache"))
-    if base:
-        worker = getattr(config, "workerinput", {}).get("workerid", "main")
-        os.environ["JAX_COMPILATION_CACHE_DIR"] = f"{base}-{worker}"
-        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-
+_cache = os.environ.get("JSPEC_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "jspec-test-jax-cache"))
+if _cache:  # before jax is imported, so the environment reaches jax and every process the tests start
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 _DENSE_DIMS = dict(
     hidden_size=64,

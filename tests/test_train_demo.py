@@ -23,8 +23,8 @@ STDLIB_MODULES = ("argparse", "json/decoder", "json/encoder", "textwrap", "strin
 @pytest.fixture(scope="module", autouse=True)
 def _trainers_write_no_cache_entries():
     """The trainers' executables stay out of the suite's persistent compilation cache (conftest): two clean-clone CI
-    runs lost a worker in XLA:CPU while these tests wrote (abort in `executable.serialize`) or read (segfault in
-    `deserialize_executable`) an entry; each compiles once here anyway."""
+    runs lost a worker in XLA:CPU while these tests wrote (abort in `executable.serialize`, with one cache directory
+    per worker) or read (segfault in `deserialize_executable`) an entry; each compiles once here anyway."""
     before = jax.config.jax_persistent_cache_min_compile_time_secs
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
     yield
