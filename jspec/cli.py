@@ -143,10 +143,11 @@ def use_compile_cache(where: str | None) -> str | None:
     import jax
 
     path = where or os.environ.get("JSPEC_COMPILE_CACHE")
-    if path is None or path == "off":
-        if path == "off":
-            jax.config.update("jax_enable_compilation_cache", False)
-        return None if path == "off" else jax.config.jax_compilation_cache_dir
+    if path is None:
+        return jax.config.jax_compilation_cache_dir
+    if path == "off":
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # what compiles slower than it loads
     return path

@@ -499,7 +499,21 @@ def _batch_tile(q, kv_cache, start_arr, **static):
     return jax.vmap(merge)(start_arr, parts)
 
 
-def _merge(start_arr, parts, *, q_heads, group, m, mosaic, splits, interpret, **combine_args):
+def _merge(
+    start_arr,
+    parts,
+    *,
+    q_heads,
+    group,
+    m,
+    mosaic,
+    splits,
+    interpret,
+    combine_rows,
+    combine_chunk,
+    combine_warps,
+    combine_stages,
+):
     """The combine of a call's split partials (either split kernel's layout) into its first ceil(m / combine_rows)
     * combine_rows rows [.., q_heads, D]."""
     return combine(
@@ -510,11 +524,11 @@ def _merge(start_arr, parts, *, q_heads, group, m, mosaic, splits, interpret, **
         chunk_rows=attention_ws.WG_ROWS if mosaic else parts[0].shape[2],
         splits=splits,
         interpret=interpret,
-        rows=combine_args["combine_rows"],
-        chunk=combine_args["combine_chunk"],
-        warps=combine_args["combine_warps"],
-        stages=combine_args["combine_stages"],
-        out_rows=-(-m // combine_args["combine_rows"]) * combine_args["combine_rows"],
+        rows=combine_rows,
+        chunk=combine_chunk,
+        warps=combine_warps,
+        stages=combine_stages,
+        out_rows=-(-m // combine_rows) * combine_rows,
     )
 
 

@@ -21,6 +21,7 @@ depth, random int4 weights (`shapes.HYBRID_MODELS`: transformers' Qwen3.5 text s
 
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import json
@@ -76,15 +77,9 @@ def section_hybrid(ctx: Context, sec: dict) -> None:
     if last not in done:
         ctx.kept.pop(last, None)
         return
-    decode_s = sec["models"][last]["decode"]["time_s"]
-    why = ctx.budget.why_not(_e2e_estimate(ctx, model_config(last, opts.quick), decode_s, ks), "hybrid end to end")
-    if why:
-        ctx.kept.pop(last, None)
-        sec["e2e"] = {"status": "skipped", "reason": why}
-        return
     sec["e2e"] = {"model": last, "status": "running"}
-    params, cfg, _ = _load_model(ctx, last)  # the steps' params, kept
-    end_to_end(ctx, sec["e2e"], last, params, cfg, ks, decode_s)
+    params, cfg, _ = _load_model(ctx, last)  # the steps' params, kept (taken out of ctx.kept)
+    end_to_end(ctx, sec["e2e"], last, params, cfg, ks, sec["models"][last]["decode"]["time_s"])
     params = None
     gc.collect()
 
@@ -229,10 +224,9 @@ def _e2e_estimate(ctx: Context, cfg, decode_s: float, ks: tuple[int, ...]) -> fl
     repeats, n, _ = _e2e_sizes(ctx.opts)
     configs = _configs(ks)
     compile_s = ctx.estimator.estimate(cfg.num_layers, E2E_COMPILE_WEIGHT[True])
-    per_engine = max(sum(1 for k, _ in configs.values() if k == e) for e in {k for k, _ in configs.values()})
-    threads = min(ctx.opts.compile_threads, len({k for k, _ in configs.values()}))
-    waves = -(-len({k for k, _ in configs.values()}) // threads)
-    return 1.3 * compile_s * per_engine * waves + len(configs) * (2 * repeats + 3) * n * decode_s
+    per_engine = collections.Counter(k for k, _ in configs.values())  # configurations compiled by each engine
+    waves = -(-len(per_engine) // min(ctx.opts.compile_threads, len(per_engine)))
+    return 1.3 * compile_s * max(per_engine.values()) * waves + len(configs) * (2 * repeats + 3) * n * decode_s
 
 
 def end_to_end(ctx: Context, e2e: dict, name: str, params: dict, cfg, ks: tuple[int, ...], decode_s: float) -> None:
@@ -251,9 +245,8 @@ def end_to_end(ctx: Context, e2e: dict, name: str, params: dict, cfg, ks: tuple[
     if why:
         e2e.update(status="skipped", reason=why)
         return
-    engines = {
-        k: Engine(params, cfg, max_len=length + n + 16, k=k, prepare=opts.prepare_arg) for k, _ in configs.values()
-    }
+    ks_of_engines = {k for k, _ in configs.values()}  # one engine per draft length (greedy and lookup share k = 3)
+    engines = {k: Engine(params, cfg, max_len=length + n + 16, k=k, prepare=opts.prepare_arg) for k in ks_of_engines}
 
     def warm(k: int) -> dict:  # compile and run once each configuration of engine k (the filler prompt's shape)
         out = {}
