@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import sysconfig
 
 import jax
@@ -14,21 +16,28 @@ import pytest
 
 import checkpoints
 from checkpoints import train_demo
+from jspec.config import ModelConfig
 from jspec.models import dense, hybrid
 from pallas_kernels import Int4Weight
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STDLIB_MODULES = ("argparse", "json/decoder", "json/encoder", "textwrap", "string", "fractions", "heapq", "bisect")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _trainers_write_no_cache_entries():
-    """The trainers' executables stay out of the suite's persistent compilation cache (conftest): two clean-clone CI
-    runs lost a worker in XLA:CPU while these tests wrote (abort in `executable.serialize`, with one cache directory
-    per worker) or read (segfault in `deserialize_executable`) an entry; each compiles once here anyway."""
-    before = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
-    yield
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+def train(module: str, argv: list[str]) -> dict:
+    """Run a trainer (`python -m checkpoints.<module> argv`) in its own process and return its metrics.json.
+
+    Each trainer runs in a fresh interpreter, its executables out of the suite's compilation cache: four clean-clone
+    CI runs lost an xdist worker inside XLA:CPU (jax 0.10.2) in this module after a trainer ran in the worker's
+    process (segfaults deserializing, compiling and, once, during the tokenizer test after training; an abort
+    serializing), never elsewhere and never reproduced alone. A crash here now fails the one test with its output."""
+    env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")
+    cmd = [sys.executable, "-m", f"checkpoints.{module}", *argv]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert run.returncode == 0, f"{' '.join(cmd)} exited {run.returncode}:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+    out = argv[argv.index("--out") + 1]
+    with open(os.path.join(out, "metrics.json")) as f:
+        return json.load(f)
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +59,7 @@ def trained(corpus_root, tmp_path_factory):
     argv += ["--vocab-size", "400", "--batch", "4", "--seq-len", "32", "--lr", "5e-3", "--warmup", "5"]
     argv += ["--max-steps", "60", "--eval-windows", "4", "--eval-batch", "2", "--sample-tokens", "8"]
     argv += ["--heldout-permille", "300"]
-    metrics = train_demo.run(train_demo.parse_args(argv))
-    return out, metrics
+    return out, train("train_demo", argv)
 
 
 def test_loss_decreases(trained):
@@ -69,7 +77,7 @@ def test_checkpoint_round_trip(trained):
     out, metrics = trained
     ckpt = os.path.join(out, "checkpoint")
     params, cfg = checkpoints.load(ckpt)
-    assert cfg.to_dict() == metrics["config"]
+    assert cfg == ModelConfig.from_dict(metrics["config"])
     assert cfg.num_mtp_layers == 1 and len(params["mtp"]) == 1
     for name in ("qkv", "o", "gate_up", "down"):
         assert isinstance(params["layers"][0][name], Int4Weight)
@@ -168,7 +176,7 @@ def test_hybrid_trainer_learns_and_its_checkpoint_drafts_with_its_mtp_head(corpu
     argv += ["--roots", str(corpus_root), "--vocab-size", "400", "--batch", "4", "--seq-len", "32", "--lr", "5e-3"]
     argv += ["--warmup", "5", "--max-steps", "40", "--eval-windows", "2", "--eval-batch", "2", "--sample-tokens", "4"]
     argv += ["--heldout-permille", "300"]
-    metrics = train_demo.run(train_demo.parse_args(argv))
+    metrics = train("train_demo", argv)
     first, last = metrics["training"]["curve"][0], metrics["training"]["curve"][-1]
     assert last[1] < first[1] - 0.5 and last[2] < first[2] - 0.5, metrics["training"]["curve"]
     params, cfg = checkpoints.load(os.path.join(tmp_path, "checkpoint"))
@@ -204,14 +212,13 @@ def test_drafter_distilled_from_the_demo_trainer_drafts_for_it(trained, corpus_r
     """checkpoints.train_drafter on the tiny demo model: the KL from the teacher falls, the stored drafter loads as
     a jspec.DraftModel and drafting with it keeps the teacher's greedy tokens."""
     import jspec
-    from checkpoints import train_drafter
 
     out, _ = trained
     teacher = os.path.join(out, "checkpoint")
     argv = ["--out", str(tmp_path), "--minutes", "1", "--size", "tiny", "--teacher", teacher]
     argv += ["--roots", str(corpus_root), "--heldout-permille", "300", "--batch", "4", "--seq-len", "32"]
     argv += ["--lr", "1e-2", "--warmup", "5", "--max-steps", "40", "--eval-windows", "2"]
-    metrics = train_drafter.run(train_drafter.parse_args(argv))
+    metrics = train("train_drafter", argv)
     curve = metrics["training"]["curve"]
     assert curve[-1][1] < curve[0][1] - 0.5, curve  # KL from the teacher
     assert 0.0 <= metrics["heldout"]["stored"]["top1"] <= 1.0
