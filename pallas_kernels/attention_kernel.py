@@ -360,7 +360,7 @@ def attention(
         ctas=ctas,
     )
     start_arr = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(rows, jnp.int32)])
-    return tile(jnp.pad(q, ((0, ROW_TILE - m), (0, 0), (0, 0))), kv_cache, start_arr)[:m]
+    return tile(q, kv_cache, start_arr)[:m]
 
 
 @functools.cache
@@ -430,7 +430,7 @@ def _attention_tile(
     ctas,
     batch=1,
 ):
-    """q [ROW_TILE, Hq, D] (rows padded; the first m are the call's), start_arr int32 [2] (start, valid rows) ->
+    """q [m, Hq, D] (the call's rows, m <= ROW_TILE), start_arr int32 [2] (start, valid rows) ->
     [ceil(m / combine_rows) * combine_rows, Hq, D] in q.dtype, rows from the valid ones on zero. batch: how many
     calls run at once under `jax.vmap` (`_slot_tile`), which sizes the Mosaic GPU grid."""
     if mosaic:
@@ -476,7 +476,7 @@ def _attention_tile(
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _batch_tile(q, kv_cache, start_arr, **static):
-    """`_attention_tile` of B slots at once in one persistent Mosaic GPU grid: q [B, ROW_TILE, Hq, D], kv_cache
+    """`_attention_tile` of B slots at once in one persistent Mosaic GPU grid: q [B, m, Hq, D], kv_cache
     [B, S, Hkv, 2, D], start_arr int32 [B, 2] -> [B, out rows, Hq, D], slot b's rows the bits of
     `_attention_tile(q[b], kv_cache[b], start_arr[b])` (the split kernels' partials agree bit for bit, and the
     combine runs per slot)."""
@@ -533,21 +533,24 @@ def _merge(
 
 
 def query_tile(q: jax.Array, hkv: int, head_rows: int, chunk_rows: int) -> jax.Array:
-    """q [ROW_TILE, Hq, D] -> the split kernels' query tiles [Hkv, C * chunk_rows, D], C = ceil(ROW_TILE /
-    head_rows) chunks: row c * chunk_rows + g * head_rows + r is tile row c * head_rows + r of query head g of the
-    KV head; zero rows after the group's heads in each chunk (and past ROW_TILE)."""
-    _, hq, d = q.shape
+    """q [M <= ROW_TILE, Hq, D] (a call's rows) -> the split kernels' query tiles [Hkv, C * chunk_rows, D], C =
+    ceil(ROW_TILE / head_rows) chunks: row c * chunk_rows + g * head_rows + r is row c * head_rows + r of query head
+    g of the KV head (zero from M on); zero rows after the group's heads in each chunk. The M rows are moved first
+    and the tile padded after, so a decode (M = 1, one chunk) moves no padding: under a batch's vmap the padded
+    tiles are written once, never transposed."""
+    m, hq, d = q.shape
     group = hq // hkv
     chunks = -(-ROW_TILE // head_rows)
-    q = jnp.pad(q, ((0, chunks * head_rows - ROW_TILE), (0, 0), (0, 0)))
-    qt = q.reshape(chunks, head_rows, hkv, group, d).transpose(2, 0, 3, 1, 4)
+    heads = q.reshape(m, hkv, group, d).transpose(1, 2, 0, 3)  # [Hkv, group, M, D]
+    heads = jnp.pad(heads, ((0, 0), (0, 0), (0, chunks * head_rows - m), (0, 0)))
+    qt = heads.reshape(hkv, group, chunks, head_rows, d).transpose(0, 2, 1, 3, 4)
     qt = qt.reshape(hkv, chunks, group * head_rows, d)
     qt = jnp.pad(qt, ((0, 0), (0, 0), (0, chunk_rows - group * head_rows), (0, 0)))
     return qt.reshape(hkv, chunks * chunk_rows, d)
 
 
 def split_partials(q, kv_cache, start_arr, *, scale, interpret, fold_heads, block_k, splits, num_warps, num_stages):
-    """q [ROW_TILE, Hq, D] (rows padded), start_arr int32 [2] (start, valid rows: this kernel computes every row)
+    """q [M <= ROW_TILE, Hq, D], start_arr int32 [2] (start, valid rows: this kernel computes every tile row)
     -> the split kernel's partials (o [Hkv, NS, T, D] in q.dtype, m [Hkv, NS, T], l [Hkv, NS, T] float32; T =
     padded heads x ROW_TILE rows, `query_tile` layout with one chunk). Splits past start_arr[0] + ROW_TILE - 1 are
     not written."""

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backend import ROW_TILE, sm_count
+from pallas_kernels.backend import ROW_TILE, SMEM_BYTES, SMEM_RESERVE, sm_count
 
 WG_ROWS = 64  # query rows per consumer warpgroup (the wgmma M)
 BLOCK_K = 64  # cache positions per pipeline step (default)
@@ -61,11 +61,6 @@ def ctas_per_head(hkv: int, chunks: int, n_split: int, batch: int = 1) -> int:
     live (a CTA past them would only start and exit). A large batch thus gets few CTAs per head, each running several
     splits in one pipeline, rather than a grid of mostly idle CTAs per slot."""
     return max(chunks, min(sm_count() // (batch * hkv), chunks * n_split))
-
-
-SMEM_BYTES = 232448  # shared memory a CTA may take on the H200 (227 KiB)
-SMEM_RESERVE = 4096  # of it, what the pipeline's barriers and the tiles' alignment take beyond the tiles (measured:
-# head_dim 256's tiles and state are 229,920 bytes, the kernel asked for 232,480)
 
 
 def batch_grid(batch: int, hkv: int, head_dim: int, block_k: int = BLOCK_K) -> bool:
@@ -233,7 +228,7 @@ def _tf():
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "block_k", "ring", "ctas", "batch"))
 def split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring, ctas=None, batch=1):
-    """q [ROW_TILE, Hq, D] bf16 (row r at position start + r), kv_cache [S, Hkv, 2, D] bf16, start_arr int32 [2] =
+    """q [M <= ROW_TILE, Hq, D] bf16 (row r at position start + r), kv_cache [S, Hkv, 2, D] bf16, start_arr int32 [2] =
     (start, valid rows) -> partials o [Hkv, NS, C * WG_ROWS, D] bf16, m and l [Hkv, NS, C * WG_ROWS] float32 in
     chunk layout (module docstring; C chunks of head_rows(group) rows per head). Splits past start + ROW_TILE - 1
     and chunks past the valid rows are not written. `splits` is the attention_kernel.Splits partition (split
@@ -317,7 +312,7 @@ def split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring, ctas
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "block_k", "ring"))
 def batch_split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring):
-    """A batch's partials in one persistent grid: q [B, ROW_TILE, Hq, D] bf16, kv_cache [B, S, Hkv, 2, D] bf16,
+    """A batch's partials in one persistent grid: q [B, M <= ROW_TILE, Hq, D] bf16, kv_cache [B, S, Hkv, 2, D] bf16,
     start_arr int32 [B, 2] (each slot's start and valid rows) -> o [B, Hkv, NS, C * WG_ROWS, D] bf16, m and l
     [B, Hkv, NS, C * WG_ROWS] float32, where slot b's are `split_partials`' of (q[b], kv_cache[b], start_arr[b]),
     bit for bit (splits and chunks neither computes are left unwritten).

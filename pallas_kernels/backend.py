@@ -17,6 +17,9 @@ ROW_TILE = 16  # rows per tile: decode (M=1) and verify (M=k+1 <= ROW_TILE) run 
 
 BACKENDS = ("pallas", "interpret", "reference")
 H200_SMS = 132
+SMEM_BYTES = 232448  # shared memory a CTA may take on the H100 / H200 (227 KiB): the Mosaic GPU kernels plan in it
+SMEM_RESERVE = 4096  # of it, what a kernel's barriers and alignment take beyond the tiles it plans (measured:
+# attention_ws at head_dim 256 planned 229,920 bytes of tiles and state and asked for 232,480)
 
 
 def first_rows(y: jax.Array, m: int) -> jax.Array:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backend import ROW_TILE, first_rows, sm_count
+from pallas_kernels.backend import ROW_TILE, SMEM_BYTES, SMEM_RESERVE, first_rows, sm_count
 from pallas_kernels.int4 import BLOCK, Int4Weight, pack, unpack_codes
 from pallas_kernels.int4_matmul import _combine
 
@@ -262,8 +262,6 @@ def _product(xp: jax.Array, w: Int4Codes, cfg: Config) -> jax.Array:
     return _combine(parts, live)
 
 
-# Shared memory the kernel may plan for (the H200 grants a CTA 227 KB; the rest holds barriers and Mosaic's own).
-SMEM_BYTES = 216 * 1024
 MAX_LAUNCH_TILES = 4  # row tiles per launch: [wg_rows, 4 x 16] float32 of accumulator per consumer warpgroup
 MIN_RING = 3  # the fewest pipeline stages a launch of several row tiles keeps
 
@@ -275,10 +273,11 @@ def _ring_bytes(cfg: Config, tiles: int) -> tuple[int, int]:
 
 
 def ring(cfg: Config, tiles: int) -> int:
-    """Pipeline stages of a launch over `tiles` row tiles: cfg.stages, fewer where the x tiles leave no room.
-    The ring depth changes the overlap only, never the bits."""
+    """Pipeline stages of a launch over `tiles` row tiles: cfg.stages, fewer where the x tiles leave no room in a
+    CTA's shared memory (`backend.SMEM_BYTES` less its reserve). The ring depth changes the overlap only, never the
+    bits."""
     stage, fixed = _ring_bytes(cfg, tiles)
-    return max(1, min(cfg.stages, (SMEM_BYTES - fixed) // stage))
+    return max(1, min(cfg.stages, (SMEM_BYTES - SMEM_RESERVE - fixed) // stage))
 
 
 def launch_tiles(cfg: Config) -> int:

@@ -445,7 +445,7 @@ def test_combine_reads_the_chunked_layout_of_the_mosaic_kernel():
     """The Mosaic GPU kernel's partials come in chunks of 64 rows with R rows per query head (`query_tile`). The
     same partials moved from the Triton kernel's one-chunk layout into chunks of R = 2 / 6 / 12 rows per head
     combine to the same bits for the valid rows (zeros past them), and `query_tile` puts each query row where the
-    chunk layout says."""
+    chunk layout says, a call's M rows as if padded with zeros to the tile."""
     q_hist, kv_hist = _history(jnp.float32, seed=21)
     q, start, valid = q_hist[1001 : 1001 + ROW_TILE], 1001, 11
     start_arr = jnp.array([start, valid], jnp.int32)
@@ -469,6 +469,10 @@ def test_combine_reads_the_chunked_layout_of_the_mosaic_kernel():
                         for h in range(HKV):
                             want = np.asarray(q[c * per_head + r, h * group + g])
                             assert np.array_equal(tiles[h, c * 64 + g * per_head + r], want)
+        for m in (1, 5, per_head + 1, ROW_TILE):  # a call's m rows: the tile of those rows followed by zeros
+            zeroed = jnp.zeros_like(q).at[:m].set(q[:m])
+            want = np.asarray(attention_kernel.query_tile(zeroed, HKV, per_head, 64))
+            assert np.array_equal(bits(attention_kernel.query_tile(q[:m], HKV, per_head, 64)), bits(want))
         moved = [p[:, :, source] for p in parts]
         out = attention_kernel.combine(start_arr, *moved, head_rows=per_head, chunk_rows=64, **combine_kw)
         assert np.array_equal(bits(out[:valid]), bits(one_chunk[:valid])) and not np.asarray(out[valid:]).any()

@@ -1,10 +1,14 @@
-"""A/B of `int4_ws.Config.wide_wgmma` on the GPU: a launch of T row tiles issuing one wgmma of N = 16 T per k chunk
-(one accumulator) against T wgmmas of N = 16 (one accumulator per tile). Llama-3-8B int4 shapes (qkv, o, gate_up,
-down, lm_head), R = 16 .. 128 rows through `int4_ws.tiles_matmul` (launches of up to `launch_tiles` tiles): GPU
-kernel time of each product (XLA profiler), and whether the two give the same bits (and equal each tile computed
-alone by `rows_matmul`).
+"""A/B of how `int4_ws.tiles_matmul` runs R rows (a batch round's) on the GPU, Llama-3-8B int4 shapes (qkv, o,
+gate_up, down, lm_head), R = 16 .. 128: GPU kernel time of each product (XLA profiler), and whether every variant
+gives the same bits (and each row tile's bits computed alone by `rows_matmul`). Variants (--variants):
+
+- wide: the shipped kernel, a launch of T row tiles issuing one wgmma of N = 16 T per k chunk (`Config.wide_wgmma`);
+- per_tile: T wgmmas of N = 16, one accumulator per tile;
+- launches_of_3: the shipped kernel with 256-row weight tiles (gate_up, lm_head) taking 3 row tiles a launch, as
+  when `int4_ws.ring` planned in 216 KiB of shared memory (64 rows: launches of 3 + 1, their weights read twice).
 
     python3 benchmarks/experiments/int4_wide_wgmma.py --out $OUT/int4_wide_wgmma_h200.json --commit <sha>
+    python3 benchmarks/experiments/int4_wide_wgmma.py --variants wide,launches_of_3 --rows 16,48,64,128 ...
 """
 
 from __future__ import annotations
@@ -31,11 +35,21 @@ SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "dow
 LM_HEAD = (4096, 128256)
 
 
-def product(wide: bool):
-    """jitted x [R, K] bf16, Int4Codes -> float32 [R, N] through `tiles_matmul` with the shape's Config, wide or not."""
+def product(variant: str):
+    """jitted x [R, K] bf16, Int4Codes -> float32 [R, N] through `tiles_matmul` as `variant` runs it."""
 
     def f(x, c):
-        return int4_ws.tiles_matmul(x, c, config=dataclasses.replace(int4_ws.config_for(*c.shape), wide_wgmma=wide))
+        cfg = int4_ws.config_for(*c.shape)
+        if variant == "per_tile":
+            cfg = dataclasses.replace(cfg, wide_wgmma=False)
+        if variant != "launches_of_3":
+            return int4_ws.tiles_matmul(x, c, config=cfg)
+        shipped = int4_ws.launch_tiles  # read by tiles_matmul while this traces
+        int4_ws.launch_tiles = lambda cfg: 3 if cfg.wg_rows == 128 else shipped(cfg)
+        try:
+            return int4_ws.tiles_matmul(x, c, config=cfg)
+        finally:
+            int4_ws.launch_tiles = shipped
 
     return jax.jit(f)
 
@@ -45,13 +59,15 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", required=True)
     ap.add_argument("--rows", default="16,32,64,128")
+    ap.add_argument("--variants", default="wide,per_tile", help="the first is the one the others are timed against")
     args = ap.parse_args()
+    variants = args.variants.split(",")
     rng = np.random.default_rng(0)
     weights = {
         name: int4_ws.prepare_codes(quantize(rng.standard_normal((k, n)).astype(np.float32)))
         for name, (k, n) in {**SHAPES, "lm_head": LM_HEAD}.items()
     }
-    fns = {"per_tile": product(False), "wide": product(True)}
+    fns = {v: product(v) for v in variants}
     result = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "commit": args.commit, "rows": {}}
     for rows in map(int, args.rows.split(",")):
         r = result["rows"][str(rows)] = {}
@@ -68,14 +84,15 @@ def main() -> None:
             n: np.concatenate([np.asarray(int4_ws.rows_matmul(xs[n][i : i + 16], c)) for i in range(0, rows, 16)])
             for n, c in weights.items()
         }
-        r["same_bits"] = {n: bool(np.array_equal(bits(outs["wide"][n]), bits(outs["per_tile"][n]))) for n in weights}
-        r["wide_equals_tiles_alone"] = {n: bool(np.array_equal(bits(outs["wide"][n]), bits(alone[n]))) for n in weights}
-        r["ratio_layer"] = r["wide"]["layer_us"] / r["per_tile"]["layer_us"]
-        r["ratio_lm_head"] = r["wide"]["kernel_us"]["lm_head"] / r["per_tile"]["kernel_us"]["lm_head"]
+        base = variants[0]
+        r["same_bits"] = {v: all(np.array_equal(bits(outs[v][n]), bits(outs[base][n])) for n in weights) for v in fns}
+        r["equals_tiles_alone"] = {n: bool(np.array_equal(bits(outs[base][n]), bits(alone[n]))) for n in weights}
+        r["ratio_layer"] = {v: r[v]["layer_us"] / r[base]["layer_us"] for v in fns}
+        r["ratio_lm_head"] = {v: r[v]["kernel_us"]["lm_head"] / r[base]["kernel_us"]["lm_head"] for v in fns}
+        layers = ", ".join(f"{v} {r[v]['layer_us']:.0f}" for v in fns)
         print(
-            f"rows={rows}: layer {r['per_tile']['layer_us']:.0f} -> {r['wide']['layer_us']:.0f} us "
-            f"({r['ratio_layer']:.3f}x), lm_head {r['ratio_lm_head']:.3f}x, same bits {all(r['same_bits'].values())}, "
-            f"= tiles alone {all(r['wide_equals_tiles_alone'].values())}",
+            f"rows={rows}: a layer's products (us) {layers}; lm_head vs {base} {r['ratio_lm_head']}; same bits "
+            f"{all(r['same_bits'].values())}, = tiles alone {all(r['equals_tiles_alone'].values())}",
             flush=True,
         )
         with open(args.out, "w") as f:
