@@ -85,11 +85,17 @@ def layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache, 
     out = row_parallel_linear(h, p["o"], p.get("o_bias"), cfg)
     if cfg.post_norms:
         out = rms_norm(out, p["post_self_attn_norm"], cfg.rms_norm_eps)
+    return mlp_half(p, cfg, x, out), cache
+
+
+def mlp_half(p: dict, cfg: ModelConfig, x: jax.Array, out: jax.Array) -> jax.Array:
+    """The second half of `layer`: the residual stream x [T, H] plus the attention sub-block's out [T, H], then
+    RMSNorm, the SwiGLU MLP and the second residual add -> x [T, H]."""
     x = x + out
     h = swiglu_mlp(p, rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps), cfg)
     if cfg.post_norms:
         h = rms_norm(h, p["post_mlp_norm"], cfg.rms_norm_eps)
-    return x + h, cache
+    return x + h
 
 
 attention_layer = layer  # the family's attention decoder layer (used by the MTP head, jspec.models.mtp)
