@@ -104,15 +104,24 @@ def _rows_reference(states, slot, q, k, v, g, beta, count):
 
 def _rows_kernel(slot_ref, count_ref, s_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_out, o_ref):
     """One (value head, dv block) program: s_ref/s_out [R, dk, BV] (aliased), q_ref/k_ref [R, dk], v_ref/o_ref
-    [R, BV], g_ref/b_ref [R]. The state stays in registers across the rows; each post-state is stored once."""
+    [R, BV], g_ref/b_ref [R]. The state stays in registers across the rows; each post-state is stored once. A row's
+    inputs do not depend on the state, so row i + 1's are loaded before row i computes: the loads' latency is off
+    the rows' sequential chain (the same values, so the same bits)."""
     o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+    last = q_ref.shape[0] - 1
 
-    def step(i, state):
-        state, o_ref[i] = gdn_step(state, q_ref[i], k_ref[i], v_ref[i], g_ref[i], b_ref[i])
+    def inputs(i):
+        i = jnp.minimum(i, last)  # past the tile's last row: a load nobody uses
+        return q_ref[i], k_ref[i], v_ref[i], g_ref[i], b_ref[i]
+
+    def step(i, carry):
+        state, row = carry
+        ahead = inputs(i + 1)
+        state, o_ref[i] = gdn_step(state, *row)
         s_out[i] = state
-        return state
+        return state, ahead
 
-    jax.lax.fori_loop(0, count_ref[0], step, s_ref[slot_ref[0]])
+    jax.lax.fori_loop(0, count_ref[0], step, (s_ref[slot_ref[0]], inputs(0)))
 
 
 def _rows_pallas(states, slot, q, k, v, g, beta, count, *, interpret: bool):
