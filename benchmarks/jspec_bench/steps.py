@@ -29,7 +29,7 @@ from jspec_bench.shapes import (
     step_bytes,
     tree_nbytes,
 )
-from jspec_bench.timing import _time_chain, run_parallel
+from jspec_bench.timing import _time_chain, describe_kernels, run_parallel
 from pallas_kernels import ROW_TILE, Int4Weight, get_backend
 from pallas_kernels.prepare import prepare_params, resolve_prepare
 
@@ -89,8 +89,10 @@ def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: t
         entry["compiles_during_timing"] += ctx.compiles.count - count
         read = step_bytes(weights, cfg, base, rows)
         out = {"time_s": seconds, "trial_times_s": times, "bytes": read, "achieved_Bps": read["total"] / seconds}
-        if kernels:
-            out["gpu_kernels"] = kernels
+        if kernels:  # where the top kernels come from: the executable's optimized HLO names its XLA fusions
+            out["gpu_kernels"] = kernels | {
+                "top_kernels_source": describe_kernels(exec_.as_text(), kernels["top_kernels_us"])
+            }
         if roof:
             out["roofline_fraction"] = read["total"] / seconds / roof
             out["roofline_time_s"] = read["total"] / roof
