@@ -9,6 +9,7 @@ then say so in a warning (the slower path is never taken silently).
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -32,7 +33,18 @@ def _map_int4(fn, params):
 def prepare_reference(params, dtype):
     """params with every Int4Weight replaced by its Int4Halves in `dtype` (the activation dtype), for the
     reference backend: the row-tile and prefill products give the same bits, without dequantizing per call."""
-    return _map_int4(lambda w: Int4Halves(*dequantize_halves(w, dtype)), params)
+    return _map_int4(lambda w: _halves(w, jnp.dtype(dtype)), params)
+
+
+# One executable per weight shape (jit's cache), run once per weight: op by op, every op of the conversion would
+# compile for every shape (~80 compiles, 2.4 s of the demo-hybrid Engine's 2.7 s on a CPU). An elementwise
+# conversion has the same bits compiled or eager.
+@functools.partial(jax.jit, static_argnums=1)
+def _halves(w: Int4Weight, dtype) -> Int4Halves:
+    return Int4Halves(*dequantize_halves(w, dtype))
+
+
+_codes = jax.jit(prepare_codes)
 
 
 def prepare_ws(params):
@@ -41,7 +53,7 @@ def prepare_ws(params):
     that kernel beat the Triton row-tile kernel on every Qwen2.5-7B / 14B linear shape: 1.28-1.58x on gate_up,
     down, lm_head (benchmarks/results/int4_matmul_h200.json) and 1.15-1.49x on qkv and o (same-process runs;
     docs/kernels.md)."""
-    return _map_int4(lambda w: prepare_codes(w) if _takes_ws(w) else w, params)
+    return _map_int4(lambda w: _codes(w) if _takes_ws(w) else w, params)
 
 
 def _takes_ws(w: Int4Weight) -> bool:
