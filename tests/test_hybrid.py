@@ -25,6 +25,8 @@ from tests.conftest import TINY_HF_CONFIGS
 from tests.tiny import ScriptDrafter, tiny_config
 
 MAX_LEN = 96
+# the recurrent kernel compiled (Triton) runs on a GPU only
+ON_GPU_ONLY = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel needs a GPU")
 VOCAB = 96
 HF_TOKENS = 80  # > 64: the chunked prefill crosses a chunk boundary
 
@@ -186,6 +188,9 @@ def test_commit_selects_the_post_state():
         assert np.array_equal(bits(got), bits(expect))
 
 
+GDN_BACKENDS = ["reference", "interpret", pytest.param("pallas", marks=ON_GPU_ONLY)]
+
+
 def _gdn_inputs(seed: int, h: int = 4, dk: int = 16, dv: int = 32):
     """Random gdn_rows inputs for a full row tile: (states [R, h, dk, dv], q, k [R, h, dk], v [R, h, dv], g, beta
     [R, h]), float32, q/k L2-normalised (q scaled by dk**-0.5), g <= 0, beta in (0, 1)."""
@@ -200,7 +205,7 @@ def _gdn_inputs(seed: int, h: int = 4, dk: int = 16, dv: int = 32):
     return states, q, k, v, g, beta
 
 
-@pytest.mark.parametrize("backend", ["reference", "interpret"])
+@pytest.mark.parametrize("backend", GDN_BACKENDS)
 def test_gdn_rows_row_invariant(backend):
     """One call over 16 rows == 16 one-row calls chained through slot 0, bit for bit; kernel == reference."""
     r = ROW_TILE
@@ -222,7 +227,7 @@ def test_gdn_rows_row_invariant(backend):
 
 
 @pytest.mark.parametrize("rows", [1, 4])
-@pytest.mark.parametrize("backend", ["reference", "interpret"])
+@pytest.mark.parametrize("backend", GDN_BACKENDS)
 def test_gdn_rows_bits_do_not_depend_on_a_known_slot(backend, rows):
     """A slot XLA knows to be constant (generate_on_device's greedy loop: always 0) gives the bits of a traced slot.
 
