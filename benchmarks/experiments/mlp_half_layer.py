@@ -55,7 +55,8 @@ def half_layers(cfg):
 
 
 def measure(name: str, layers_n: int, calls: int, quick: bool, roof_Bps: float) -> dict:
-    cfg = dataclasses.replace(model_config(name, quick), num_layers=layers_n)
+    # the MLP half reads no embedding: a 32-token vocabulary spares building one of the shape's size
+    cfg = dataclasses.replace(model_config(name, quick), num_layers=layers_n, vocab_size=32)
     layers = [{k: p[k] for k in MLP_WEIGHTS} for p in random_int4_params(cfg, 0, lm_head_int4=False)["layers"]]
     if get_backend() == "pallas":
         layers = prepare_ws(layers)
@@ -71,6 +72,7 @@ def measure(name: str, layers_n: int, calls: int, quick: bool, roof_Bps: float) 
     nbytes = tree_nbytes(layers) / layers_n
     stream_us = stream_bound_us(cfg, calls)
     roof_us = nbytes / roof_Bps * 1e6
+    gate_us = 0.75 * kernel_us  # stage 1's gate: 25% less
     result = {
         "shape": {"hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size},
         "layers_chained": layers_n,
@@ -81,11 +83,11 @@ def measure(name: str, layers_n: int, calls: int, quick: bool, roof_Bps: float) 
         "wall_us_per_half_layer": wall_s * 1e6 / layers_n,
         "roofline_us": roof_us,
         "roofline_fraction": roof_us / kernel_us if kernel_us else None,
-        "gate_us": 0.75 * kernel_us,
-        "gate_roofline_fraction": roof_us / (0.75 * kernel_us) if kernel_us else None,
+        "gate_us": gate_us,
+        "gate_roofline_fraction": roof_us / gate_us if kernel_us else None,
         "row0_bits_independent_of_other_rows": bool(np.array_equal(bits(y[0]), bits(other[0]))),
         "stream_bound": {"weight": [cfg.hidden_size, 3 * cfg.intermediate_size], "kernel_us": stream_us},
-        "gate_reachable_by_stream": stream_us <= 0.75 * kernel_us if kernel_us else None,
+        "gate_reachable_by_stream": stream_us <= gate_us if kernel_us else None,
         "top_kernels_us": {k: v / layers_n for k, v in kernels.get("top_kernels_us", {}).items()},
     }
     print(
