@@ -38,6 +38,7 @@ from pallas_kernels import ROW_TILE
 
 CHECKED = 3  # sequences per batch size run again alone in the same engine
 LOOKUP = ((4, 3), (4, 7), (8, 3), (8, 7))  # (batch size, k)
+PROFILED_TOKENS = 8  # new tokens of a round profile: 63 rounds' kernels overflowed the profiler's buffer
 
 
 def _decode_rate(result) -> dict:
@@ -181,9 +182,9 @@ def section_batch(ctx: Context, sec: dict) -> None:
 
 def _round_kernels(engine: Engine, batch: list, n: int, per_round_us: float) -> dict | None:
     """GPU kernel time of one greedy batch round by group (`timing.kernel_times`), the prefills cancelled: the
-    profile of n new tokens minus that of 1 (the prefills alone: a slot that has its one token stops), over the
-    rounds of the first; `plausible`: whether that fits the round's measured wall time per_round_us (at B = 4 and
-    16 on the H200 the profile held a fraction of the rounds' kernels). None off the GPU."""
+    profile of min(n, PROFILED_TOKENS) new tokens minus that of 1 (the prefills alone: a slot that has its one token
+    stops), over the rounds of the first; `plausible`: whether that fits the round's measured wall time per_round_us
+    (63 rounds' profiles held a fraction of their kernels on the H200, at every B). None off the GPU."""
     import jax
 
     if jax.default_backend() != "gpu":
@@ -195,8 +196,9 @@ def _round_kernels(engine: Engine, batch: list, n: int, per_round_us: float) -> 
         rounds_of[tokens] = engine.generate_batch(batch, tokens, eos_id=()).stats.rounds
 
     prefill = kernel_times(profile(lambda: run(1)), 1, every_kernel=True)
-    full = kernel_times(profile(lambda: run(n)), 1, every_kernel=True)
-    rounds = rounds_of[n]
+    tokens = min(n, PROFILED_TOKENS)
+    full = kernel_times(profile(lambda: run(tokens)), 1, every_kernel=True)
+    rounds = rounds_of[tokens]
     kernel_us = (full["kernel_us"] - prefill["kernel_us"]) / rounds
     groups = {g: round((us - prefill["groups_us"].get(g, 0.0)) / rounds, 1) for g, us in full["groups_us"].items()}
     return {

@@ -11,7 +11,10 @@ depth, random int4 weights (`shapes.HYBRID_MODELS`: transformers' Qwen3.5 text s
    the same from inside the measured steps (their kernel group over their Gated DeltaNet layers).
 3. End to end on the on-device loop, the last model measured: greedy, prompt lookup (k = 3) on an echo prompt, and
    the random MTP head drafting k = 1, 2, 3 (its acceptance says nothing, its cost does), all compiled first, the
-   engines concurrently (at the 27B-class shape an on-device executable compiles for minutes; `warmup_s`), then
+   engines concurrently (at the 27B-class shape an on-device executable compiles for minutes; `warmup_s`): greedy
+   on the engine of the smallest k (its tokens are every engine's), so no engine compiles more than two, and every
+   engine prefills in chunks of `E2E_PREFILL_CHUNK` positions (an on-device executable holds a copy of the model
+   for each chunk shape; the prefill is not what this part times); then
    decode tok/s as (n minus 1) new tokens over the wall of n minus that of 1 (--hybrid-e2e-only: this part alone,
    without 1 and 2); tokens against greedy (an identity check); an MTP round's cost
    (head + verify) against a decode step, and the speedup that round predicts at the trained demo-hybrid's measured
@@ -46,6 +49,7 @@ from pallas_kernels.recurrent import gdn_rows, l2_normalize
 
 KS = (1, 2, 3)  # verify draft lengths and MTP k (the workload's drafts are short)
 LOOKUP_K = 3
+E2E_PREFILL_CHUNK = 128  # one chunk shape (`jspec.steps.chunk_sizes`): one prefill copy of the model per executable
 ASSUMED_DECODE_BPS = 2e12  # --hybrid-e2e-only: the budget's decode step, weight bytes at this rate (H200: ~47%)
 # The trained demo-hybrid's MTP acceptance (benchmarks/demo_acceptance.py, all nine prompts): what a trained head
 # accepts, where the random 27B-class head accepts nothing.
@@ -208,9 +212,11 @@ def _e2e_sizes(opts) -> tuple[int, int, int]:
 
 
 def _configs(ks: tuple[int, ...]) -> dict:
-    """{label: (the engine's k, drafter)} of `end_to_end`: greedy, prompt lookup and MTP at each k."""
+    """{label: (the engine's k, drafter)} of `end_to_end`: greedy (on the engine of the smallest k: greedy tokens
+    do not depend on an engine's k, and the engine of LOOKUP_K already runs lookup and MTP), prompt lookup and MTP
+    at each k."""
     return {
-        "greedy": (LOOKUP_K, None),
+        "greedy": (min(ks), None),
         f"lookup k={LOOKUP_K}": (LOOKUP_K, PromptLookup()),
         **{f"mtp k={k}": (k, MTPDrafter()) for k in ks},
     }
@@ -240,13 +246,18 @@ def end_to_end(ctx: Context, e2e: dict, name: str, params: dict, cfg, ks: tuple[
     rng = np.random.default_rng(opts.seed + 29)
     p, filler = random_filler(rng, cfg.vocab_size, plen, n, length)
     configs = _configs(ks)
-    e2e.update(new_tokens=n, prompt_len=length, o_factor=opts.o_factor, loop="on device")
+    e2e.update(
+        new_tokens=n, prompt_len=length, o_factor=opts.o_factor, loop="on device", prefill_chunk=E2E_PREFILL_CHUNK
+    )
     why = ctx.budget.why_not(_e2e_estimate(ctx, cfg, decode_s, ks), f"hybrid e2e of {name}")
     if why:
         e2e.update(status="skipped", reason=why)
         return
-    ks_of_engines = {k for k, _ in configs.values()}  # one engine per draft length (greedy and lookup share k = 3)
-    engines = {k: Engine(params, cfg, max_len=length + n + 16, k=k, prepare=opts.prepare_arg) for k in ks_of_engines}
+    ks_of_engines = {k for k, _ in configs.values()}  # one engine per draft length
+    engines = {
+        k: Engine(params, cfg, max_len=length + n + 16, k=k, prepare=opts.prepare_arg, prefill_chunk=E2E_PREFILL_CHUNK)
+        for k in ks_of_engines
+    }
 
     def warm(k: int) -> dict:  # compile and run once each configuration of engine k (the filler prompt's shape)
         out = {}
@@ -265,9 +276,10 @@ def end_to_end(ctx: Context, e2e: dict, name: str, params: dict, cfg, ks: tuple[
             f"  hybrid {name}: {len(configs)} configurations compiled in {time.perf_counter() - t0:.0f} s", flush=True
         )
         ctx.report.save()
-        greedy, e2e["greedy"] = _device_decode_rate(engines[LOOKUP_K], filler, n, repeats)
+        plain = engines[configs["greedy"][0]]
+        greedy, e2e["greedy"] = _device_decode_rate(plain, filler, n, repeats)
         echo = echo_prompt(p, greedy, None, rng, cfg.vocab_size, length)
-        want, e2e["greedy_echo"] = _device_decode_rate(engines[LOOKUP_K], echo, n, repeats)
+        want, e2e["greedy_echo"] = _device_decode_rate(plain, echo, n, repeats)
         for label, (k, drafter) in configs.items():
             if label == "greedy":
                 continue
