@@ -266,6 +266,7 @@ def end_to_end(ctx: Context, e2e: dict, name: str, params: dict, cfg, ks: tuple[
                 t0 = time.perf_counter()
                 engines[k].generate(filler, n, eos_id=(), on_device=True, drafter=drafter)
                 out[label] = time.perf_counter() - t0
+                print(f"  hybrid {name} {label}: compiled and run once in {out[label]:.0f} s", flush=True)
         return out
 
     try:
