@@ -117,17 +117,22 @@ def evaluate_targets(data: dict) -> list[dict]:
     batch = secs.get("batch", {}).get("greedy", {})
     for size in (16, 64):
         r = batch.get(str(size), {})
-        ratio = r.get("vs_b1")
+        # B = 1 is the faster of the batch engine's B = 1 and Engine.generate's one sequence (runs before
+        # `vs_engine_generate` existed: the batch engine's alone)
+        readings = [x for x in (r.get("vs_b1"), r.get("vs_engine_generate")) if x is not None]
+        ratio = min(readings) if readings else None
         target = TARGETS[f"batch{size}_over_b1"]
         add(
-            f"batch B={size} greedy decode >= {target:.0f}x B=1, each sequence its own tokens",
+            f"batch B={size} greedy decode >= {target:.0f}x B=1 (the faster single sequence), each its own tokens",
             target,
             ratio,
             None if ratio is None else bool(ratio >= target and r["identical"]),
             "not measured"
             if ratio is None
-            else f"{r['decode_tok_s']:.0f} tok/s decode, {r['ms_per_round']:.2f} ms a round; alone in the engine "
-            f"identical: {r['identical']}",
+            else f"{r['decode_tok_s']:.0f} tok/s decode, {r['ms_per_round']:.2f} ms a round; {r['vs_b1']:.2f}x the "
+            f"batch engine's B=1"
+            + (f", {r['vs_engine_generate']:.2f}x Engine.generate" if "vs_engine_generate" in r else "")
+            + f"; alone in the engine identical: {r['identical']}",
         )
     _hybrid_targets(secs.get("hybrid", {}).get("models", {}), add)
     recompiles = e2e.get("compiles_after_warmup")
