@@ -2,12 +2,13 @@
 [B] axis, one entry per slot): empty slots, a prompt prefilled into one slot, rounds of every slot at once.
 
 A batch round is `jax.vmap` of `jspec.loop.slot_round` over the slots. Each slot owns its rows (its pending
-token and up to k draft tokens: `slot_rows`), its cache, recurrent state, position, drafter state, gate, sampler
-and stop reason. Under the vmap every weight product flattens all the slots' rows into row tiles read once for
-the batch (`pallas_kernels.matmul`); attention, the recurrent update and sampling run per slot. No reduction
-meets two slots' rows, so a sequence's bits do not depend on its neighbours nor on the slot it occupies
-(docs/design.md, rule 9). A stopped (or empty) slot keeps its state: its rows still run, their results are
-dropped (its caches take the writes: nothing reads them again, `_keep_stopped`).
+token and up to k draft tokens, padded so that a small batch fills a row tile: `slot_rows`), its cache,
+recurrent state, position, drafter state, gate, sampler and stop reason. Under the vmap every weight product
+flattens all the slots' rows into row tiles read once for the batch (`pallas_kernels.matmul`); attention, the
+recurrent update and sampling run per slot. No reduction meets two slots' rows, so a sequence's bits do not
+depend on its neighbours nor on the slot it occupies (docs/design.md, rule 9). A stopped (or empty) slot keeps
+its state: its rows still run, their results are dropped (its caches take the writes: nothing reads them again,
+`_keep_stopped`).
 
 The Engine drives these from the host (`Engine.generate_batch`: a slot that stops takes the next prompt);
 `generate_batch_on_device` runs a fixed set of B prompts in one executable, callable inside a user's `jax.jit`.
@@ -36,11 +37,20 @@ from jspec.loop import (
     start_loop,
 )
 from jspec.sampling import SamplerValues
+from pallas_kernels import ROW_TILE
 
 
-def slot_rows(settings: LoopSettings) -> int:
-    """The rows of one slot in a batch step: 1 without a drafter (decode only), else k + 1."""
-    return 1 if settings.drafter is None else settings.k + 1
+def slot_rows(settings: LoopSettings, batch_size: int) -> int:
+    """The rows of one slot in a batch step: 1 without a drafter (decode only), else k + 1; but where the batch's
+    rows would not fill one row tile and batch_size divides it, ROW_TILE // batch_size, so the batch runs one whole
+    tile as the single-sequence steps do. A part tile cuts every product's result to its rows behind an
+    optimization barrier (`pallas_kernels.backend.first_rows`), which keeps XLA from fusing the product's epilogue
+    (the int4 kernel's partials' sum) into its consumer: kernels of their own in every layer. The extra rows are
+    padding; no row's bits change (rule 1)."""
+    rows = 1 if settings.drafter is None else settings.k + 1
+    if batch_size * rows < ROW_TILE and ROW_TILE % batch_size == 0:
+        return ROW_TILE // batch_size
+    return rows
 
 
 def empty_batch(params: dict, cfg: ModelConfig, settings: LoopSettings, batch_size: int, own=None) -> Loop:
@@ -62,7 +72,7 @@ def fill_slot(params, cfg, settings, batch: Loop, slot, prompt, length, max_new,
 
 def batch_round(params: dict, cfg: ModelConfig, settings: LoopSettings, batch: Loop, own=None) -> Loop:
     """One round of every running slot. A stopped slot keeps its Loop except its caches (`_keep_stopped`)."""
-    rows = slot_rows(settings)
+    rows = slot_rows(settings, batch.done.shape[0])
     new = jax.vmap(lambda lp: slot_round(params, cfg, settings, lp, rows, own))(batch)
     return _keep_stopped(batch.done, batch, new)
 

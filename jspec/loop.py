@@ -331,21 +331,23 @@ def verify_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: L
 
 def slot_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop, rows: int, own=None) -> Loop:
     """One round of one slot of a batch (`jspec.batch`, under `jax.vmap` over the slots): the slot's own tile of
-    `rows` rows (1 without a drafter, else k + 1) verifies its draft when loop.use_verify, else the same step with
-    no draft valid decodes (row 0 is the decode step's, bit for bit: rule 1). One step shape for every slot
-    whatever each one does, so a batch step is one forward. Greedy or sampled; the default TieGuard only."""
+    `rows` rows (`jspec.batch.slot_rows`: at least 1 without a drafter, k + 1 with one) verifies its draft when
+    loop.use_verify, else the same step with no draft valid decodes (row 0 is the decode step's, bit for bit: rule
+    1). One step shape for every slot whatever each one does, so a batch step is one forward. Greedy or sampled; the
+    default TieGuard only."""
     verified = loop.use_verify
     n_valid = jnp.where(verified, loop.n_valid, 0)
-    if rows == 1:
-        state, tile, row_tokens = decode_tile(params, cfg, loop.state, tile_rows=1)
+    decode_only = settings.drafter is None
+    if decode_only:
+        state, tile, row_tokens = decode_tile(params, cfg, loop.state, tile_rows=rows)
     else:
         state, tile, row_tokens = verify_tile(params, cfg, loop.state, loop.draft, tile_rows=rows)
-    used = _step_rows(tile, settings.k + 1)
+    used = _step_rows(tile, 1 if decode_only else settings.k + 1)
     if settings.sampling is None:
         chosen = jnp.argmax(used, axis=-1).astype(jnp.int32)
     else:
         chosen = _sample_rows(settings, loop, used, row_tokens)
-    if rows == 1:
+    if decode_only:
         n_acc, token = jnp.zeros((), jnp.int32), chosen[0]
     else:
         n_acc, token = accept_chosen(loop.draft, chosen, n_valid)

@@ -50,14 +50,25 @@ def prompts(cfg, lengths=(5, 11, 3, 20, 7, 9, 2), seed=0) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("slots", [4, 5])
+def test_slot_rows_fill_a_row_tile_when_a_small_batch_would_not():
+    """A slot's rows: 1 without a drafter, k + 1 with one, widened to ROW_TILE // B where the batch's rows would
+    fill less than one row tile and B divides it (one whole tile, as the single-sequence steps run)."""
+    settings = engine("qwen2", 1).settings
+    greedy, k3 = settings(), settings(drafter=jspec.PromptLookup())
+    k7 = dataclasses.replace(k3, k=7)
+    assert [slot_rows(greedy, b) for b in (1, 2, 3, 4, 8, 16, 64)] == [16, 8, 1, 4, 2, 1, 1]
+    assert [slot_rows(k3, b) for b in (1, 2, 3, 4, 5, 16)] == [16, 8, 4, 4, 4, 4]
+    assert [slot_rows(k7, b) for b in (1, 2, 3, 4)] == [16, 8, 8, 8]
+
+
+@pytest.mark.parametrize("slots", [2, 4, 5])
 def test_slot_logits_bits_do_not_depend_on_the_other_slots_or_the_slot(slots):
-    """One verify-shaped batch step (4 rows a slot: one row tile for 4 slots, two for 5, the fifth slot's rows in
-    the second): a sequence's logits rows are the same bits in the first slot beside other prompts (other lengths,
-    other drafts), in the last slot beside others again, and with the other slots empty."""
+    """One verify-shaped batch step (4 rows a slot, 8 at 2 slots: one row tile for 2 or 4 slots, two for 5, the
+    fifth slot's rows in the second): a sequence's logits rows are the same bits in the first slot beside other
+    prompts (other lengths, other drafts), in the last slot beside others again, and with the other slots empty."""
     params, cfg = model("qwen2")
     settings = engine("qwen2", slots).settings(drafter=jspec.PromptLookup())
-    rows = slot_rows(settings)
+    rows = slot_rows(settings, slots)
     mine = prompts(cfg, (9,), seed=1)[0]
 
     def logits_of(order: list, seed: int):
