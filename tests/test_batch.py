@@ -138,6 +138,20 @@ def test_batch_of_one_and_eos_and_draft_models():
     assert [r.tokens for r in drafted.results] == [one.generate(p, 10).tokens for p in ps]
 
 
+@pytest.mark.parametrize("drafter", [None, "mtp"])
+def test_small_hybrid_batch_of_whole_tile_slots_equals_generate(drafter):
+    """2 slots of a hybrid with its MTP head, 8 rows each (`slot_rows`: one row tile for the batch): each
+    sequence's tokens are `generate`'s alone, its recurrent state advanced by its valid rows only."""
+    params, cfg = model("qwen3_next", True)
+    eng = engine("qwen3_next", 2, True)
+    ps = prompts(cfg)[:3]
+    d = jspec.MTPDrafter() if drafter else None
+    out = eng.generate_batch(ps, 9, drafter=d, eos_id=())
+    assert [r.tokens for r in out.results] == [eng.generate(p, 9, eos_id=()).tokens for p in ps]
+    if drafter:
+        assert sum(r.stats.verify_steps for r in out.results) > 0
+
+
 def test_generate_batch_on_device_inside_jit():
     """A fixed set of prompts in one executable, under the caller's jax.jit: each slot's tokens are its prompt's
     alone; a bad request (prompt_len 0) leaves its slot empty and is reported by its index."""
