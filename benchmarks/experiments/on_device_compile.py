@@ -7,7 +7,7 @@ compile and one short generation) of greedy and of MTP drafting at a shape's wid
 each --chunks value (`default`: `engine.default_prefill_chunk(max_len)`), one fresh engine each, all in one process.
 
     python3 benchmarks/experiments/on_device_compile.py --out /tmp/on_device_compile_cpu.json --commit <sha>
-    python3 benchmarks/experiments/on_device_compile.py --model hybrid-27b --layers 64 --out $OUT/x.json --commit <sha>
+    python3 benchmarks/experiments/on_device_compile.py --no-quick-width --layers 16 --out $OUT/x.json --commit <sha>
 """
 
 from __future__ import annotations

@@ -118,9 +118,13 @@ def evaluate_targets(data: dict) -> list[dict]:
     for size in (16, 64):
         r = batch.get(str(size), {})
         # B = 1 is the faster of the batch engine's B = 1 and Engine.generate's one sequence (runs before
-        # `vs_engine_generate` existed: the batch engine's alone)
-        readings = [x for x in (r.get("vs_b1"), r.get("vs_engine_generate")) if x is not None]
-        ratio = min(readings) if readings else None
+        # `vs_engine_generate` existed: the batch engine's alone; runs without B = 1: Engine.generate's alone)
+        readings = {
+            label: r[key]
+            for key, label in (("vs_b1", "the batch engine's B=1"), ("vs_engine_generate", "Engine.generate"))
+            if r.get(key) is not None
+        }
+        ratio = min(readings.values()) if readings else None
         target = TARGETS[f"batch{size}_over_b1"]
         add(
             f"batch B={size} greedy decode >= {target:.0f}x B=1 (the faster single sequence), each its own tokens",
@@ -129,9 +133,8 @@ def evaluate_targets(data: dict) -> list[dict]:
             None if ratio is None else bool(ratio >= target and r["identical"]),
             "not measured"
             if ratio is None
-            else f"{r['decode_tok_s']:.0f} tok/s decode, {r['ms_per_round']:.2f} ms a round; {r['vs_b1']:.2f}x the "
-            f"batch engine's B=1"
-            + (f", {r['vs_engine_generate']:.2f}x Engine.generate" if "vs_engine_generate" in r else "")
+            else f"{r['decode_tok_s']:.0f} tok/s decode, {r['ms_per_round']:.2f} ms a round; "
+            + ", ".join(f"{x:.2f}x {label}" for label, x in readings.items())
             + f"; alone in the engine identical: {r['identical']}",
         )
     _hybrid_targets(secs.get("hybrid", {}).get("models", {}), add)
