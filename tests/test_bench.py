@@ -143,6 +143,8 @@ def test_quick_peer_targets_plots_and_table(quick, capsys):
     assert data["sections"]["sampling"]["rows"] == {"decode": 1, "verify": 8}  # k + 1 rows in a verify
     batch = data["sections"]["batch"]
     assert all(r["identical"] for r in batch["greedy"].values()) and batch["greedy"]["4"]["vs_b1"] > 0
+    for r in batch["greedy"].values():  # one round timed as its own executable; no GPU profile on a CPU
+        assert r["round_alone"]["ms"] > 0 and r["round_alone"]["gpu_kernels"] is None
     assert all(r["identical"] and r["lookup"]["mean_accepted"] > 1 for r in batch["lookup"].values())
     hybrid = data["sections"]["hybrid"]
     model = hybrid["models"]["qwen3.5"]

@@ -5,9 +5,9 @@
    and the ratio to B = 1. The contract (an identity check): `CHECKED` of the sequences, each run again alone in
    the same engine (the other slots empty), give the same tokens. A fact, not a requirement (docs/design.md rule
    9): whether every sequence's tokens equal those of the B = 1 engine (`same_as_b1_engine`; a B-slot engine runs
-   other shapes). On the GPU, one round's kernel time by group (int4 kernels, attention, XLA ops) against the rows
-   it runs, and the int4 products of one layer and the lm_head at 16 .. 128 rows: several row tiles per launch
-   against one.
+   other shapes). One round as an executable of its own (`round_alone`): its time against the loop's round and,
+   on the GPU, its kernels by group (int4 kernels, attention, XLA ops) and the top kernels' HLO sources; and the
+   int4 products of one layer and the lm_head at 16 .. 128 rows: several row tiles per launch against one.
    Each B's tokens/s also against `Engine.generate` of the first prompt alone (`vs_engine_generate`, host loop,
    prefill excluded alike): the B = 1 engine of generate_batch runs a slot's bookkeeping a plain step does not.
 2. Prompt lookup at B = 4 and 8 with k = 3 and 7 on the e2e section's echo prompts (each slot its own prompt):
@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from jspec.batch import batch_round
 from jspec.drafters import PromptLookup
 from jspec.engine import Engine
 from jspec_bench.e2e import echo_prompt, random_filler
@@ -33,12 +34,11 @@ from jspec_bench.peer import _hf_generate
 from jspec_bench.report import Context, _error_text
 from jspec_bench.shapes import hf_config_dict, scale_attention_output
 from jspec_bench.steps import _load_model
-from jspec_bench.timing import describe_kernels, kernel_times, profile
+from jspec_bench.timing import _time_chain, describe_kernels, kernel_times, profile
 from pallas_kernels import ROW_TILE
 
 CHECKED = 3  # sequences per batch size run again alone in the same engine
 LOOKUP = ((4, 3), (4, 7), (8, 3), (8, 7))  # (batch size, k)
-PROFILED_TOKENS = 8  # new tokens of a round profile: 63 rounds' kernels overflowed the profiler's buffer
 
 
 def _decode_rate(result) -> dict:
@@ -125,10 +125,8 @@ def section_batch(ctx: Context, sec: dict) -> None:
         base = r["decode_tok_s"] if b == 1 else base
         r["vs_b1"] = r["decode_tok_s"] / base if base else None
         r["vs_engine_generate"] = r["decode_tok_s"] / sec["engine_generate"]["decode_tok_s"]
-        try:
-            r["round_kernels"] = _round_kernels(engine, batch, n, 1e3 * r["ms_per_round"])
-        except Exception as e:  # the profiler is an add-on (another tool may hold CUPTI): record why, go on
-            r["round_kernels"] = {"error": _error_text(e)}
+        r["round_alone"] = _round_alone(ctx, engine, batch, n)
+        r["round_alone"]["loop_vs_alone"] = r["ms_per_round"] / r["round_alone"]["ms"]
         print(
             f"  batch greedy B={b}: {r['decode_tok_s']:.0f} tok/s decode"
             + (f" ({r['vs_b1']:.2f}x B=1)" if r["vs_b1"] else "")
@@ -180,52 +178,35 @@ def section_batch(ctx: Context, sec: dict) -> None:
         gc.collect()
 
 
-def _round_kernels(engine: Engine, batch: list, n: int, per_round_us: float) -> dict | None:
-    """GPU kernel time of one greedy batch round by group (`timing.kernel_times`), the prefills cancelled: the
-    profile of min(n, PROFILED_TOKENS) new tokens minus that of 1 (the prefills alone: a slot that has its one token
-    stops), over the rounds of the first; `plausible`: whether that fits the round's measured wall time per_round_us
-    (63 rounds' profiles held a fraction of their kernels on the H200, at every B). None off the GPU."""
+def _round_alone(ctx: Context, engine: Engine, batch: list, n: int) -> dict:
+    """One greedy round of the B-slot batch as an executable of its own (`jspec.batch.batch_round` jitted alone,
+    the batch donated), its slots filled with `batch`'s prompts by the engine's own fill executable, timed chained
+    like the steps (`_time_chain`): `ms` per round and, on the GPU, its kernels by group and the top kernels with
+    the HLO source of each fusion. The rounds' while loop is not profiled: inside it the XLA profiler kept 12-14%
+    of a round's kernels on the H200 at every B (7 rounds as 63), where a step's own executable keeps them all. A
+    slot that reaches its n new tokens stops and its rows still run (their results dropped), so every round costs
+    the same."""
     import jax
 
-    if jax.default_backend() != "gpu":
-        return None
-    profile(lambda: None)  # a process's first trace carries one-time work
-    rounds_of = {}
+    settings = engine.settings()
+    weights = engine._checked_weights(settings)  # Engine internals, read-only: the executables generate_batch runs
+    empty, fill, _ = engine._batch_execs(settings, weights)
+    state = empty(weights)
+    for slot, prompt in enumerate(batch):
+        state = fill(weights, state, np.int32(slot), *engine.request(prompt, n, eos_id=()).loop_args(engine.max_len))
 
-    def run(tokens: int) -> None:
-        rounds_of[tokens] = engine.generate_batch(batch, tokens, eos_id=()).stats.rounds
+    def one_round(weights, state):
+        new = batch_round(weights[0], engine.shard_cfg, settings, state, weights[1])
+        return new, new.n_out
 
-    prefill = kernel_times(profile(lambda: run(1)), 1, every_kernel=True)
-    tokens = min(n, PROFILED_TOKENS)
-    full = kernel_times(profile(lambda: run(tokens)), 1, every_kernel=True)
-    rounds = rounds_of[tokens]
-    kernel_us = (full["kernel_us"] - prefill["kernel_us"]) / rounds
-    groups = {g: round((us - prefill["groups_us"].get(g, 0.0)) / rounds, 1) for g, us in full["groups_us"].items()}
-    return {
-        "rows_per_round": engine.batch_size,
-        "rounds": rounds,
-        "kernel_us_per_round": round(kernel_us, 1),
-        "launches_per_round": round((full["launches"] - prefill["launches"]) / rounds, 1),
-        "groups_us_per_round": groups,
-        # the profiler drops events past its buffer: a round's kernels must fit in its measured wall time
-        "plausible": bool(0.5 * per_round_us <= kernel_us <= 1.05 * per_round_us),
-        "top_kernels_us_per_round": (top := _top_per_round(full["by_name_us"], prefill["by_name_us"], rounds)),
-        # where the round's XLA fusions come from: the rounds executable's HLO (Engine internals, read-only)
-        "top_kernels_source": describe_kernels(_rounds_hlo(engine), top),
-    }
-
-
-def _rounds_hlo(engine: Engine) -> str:
-    """The optimized HLO text of the engine's batch-rounds executable (the last one compiled)."""
-    (compiled,) = [exe for key, exe in engine._executables.items() if key[0] == "batch-rounds"][-1:]
-    return compiled.as_text()
-
-
-def _top_per_round(full: dict, prefill: dict, rounds: int, top: int = 16) -> dict:
-    """{kernel name: us per round} of the `top` costliest kernels of a run's rounds: each name's time in the run of
-    n tokens minus that in the prefills alone, over the rounds."""
-    per_round = {name: (us - prefill.get(name, 0.0)) / rounds for name, us in full.items()}
-    return {name[:80]: round(us, 1) for name, us in sorted(per_round.items(), key=lambda kv: -kv[1])[:top]}
+    fn = jax.jit(one_round, donate_argnums=1)
+    compiled = fn.lower(weights, state).compile()
+    opts = ctx.opts
+    seconds, _, kernels = _time_chain(compiled, weights, state, (), opts.reps, opts.trials, opts.warmup_s)
+    out = {"ms": 1e3 * seconds, "gpu_kernels": kernels}
+    if kernels and "top_kernels_us" in kernels:  # where the round's XLA fusions come from
+        out["top_kernels_source"] = describe_kernels(compiled.as_text(), kernels["top_kernels_us"])
+    return out
 
 
 def _int4_rows(params: dict) -> dict | None:
