@@ -182,7 +182,7 @@ def _round_alone(ctx: Context, engine: Engine, batch: list, n: int) -> dict:
     """One greedy round of the B-slot batch as an executable of its own (`jspec.batch.batch_round` jitted alone,
     the batch donated), its slots filled with `batch`'s prompts by the engine's own fill executable, timed chained
     like the steps (`_time_chain`): `ms` per round and, on the GPU, its kernels by group and the top kernels with
-    the HLO source of each fusion. The rounds' while loop is not profiled: inside it the XLA profiler kept 12-14%
+    the HLO source of each fusion. The rounds' while loop is not profiled: inside it the XLA profiler kept 11-14%
     of a round's kernels on the H200 at every B (7 rounds as 63), where a step's own executable keeps them all. A
     slot that reaches its n new tokens stops and its rows still run (their results dropped), so every round costs
     the same."""
