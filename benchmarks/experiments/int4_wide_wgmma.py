@@ -5,10 +5,16 @@ gives the same bits (and each row tile's bits computed alone by `rows_matmul`). 
 - wide: the shipped kernel, a launch of T row tiles issuing one wgmma of N = 16 T per k chunk (`Config.wide_wgmma`);
 - per_tile: T wgmmas of N = 16, one accumulator per tile;
 - launches_of_3: the shipped kernel with 256-row weight tiles (gate_up, lm_head) taking 3 row tiles a launch, as
-  when `int4_ws.ring` planned in 216 KiB of shared memory (64 rows: launches of 3 + 1, their weights read twice).
+  when `int4_ws.ring` planned in 216 KiB of shared memory (64 rows: launches of 3 + 1, their weights read twice);
+- chunks4: the shipped kernel in 4 k chunks a pipeline step instead of 2 (the same bits by construction: a chunk's
+  conversion overlaps the previous chunk's wgmma, and at N = 64 a wgmma takes 4x the time it takes at N = 16);
+- wide_all: 256-row weight tiles for every product that fits them (qkv, o, down too): at 64 rows a pipeline step
+  streams a 32 KB x tile beside 16 KB of 128-row codes, twice the codes' bytes, so wider tiles halve the x bytes
+  a weight byte costs. Another partition: other bits than the shipped kernel's (reported, not required).
 
     python3 benchmarks/experiments/int4_wide_wgmma.py --out $OUT/int4_wide_wgmma_h200.json --commit <sha>
     python3 benchmarks/experiments/int4_wide_wgmma.py --variants wide,launches_of_3 --rows 16,48,64,128 ...
+    python3 benchmarks/experiments/int4_wide_wgmma.py --variants wide,chunks4,wide_all --rows 16,64,128 ...
 """
 
 from __future__ import annotations
@@ -39,9 +45,15 @@ def product(variant: str):
     """jitted x [R, K] bf16, Int4Codes -> float32 [R, N] through `tiles_matmul` as `variant` runs it."""
 
     def f(x, c):
-        cfg = int4_ws.config_for(*c.shape)
+        k_stored = c.codes.shape[0] * int4_ws.TILE_K
+        cfg = int4_ws.config_for(k_stored, c.codes.shape[1])
         if variant == "per_tile":
             cfg = dataclasses.replace(cfg, wide_wgmma=False)
+        if variant == "chunks4":
+            cfg = dataclasses.replace(cfg, chunks=4)
+        if variant == "wide_all":
+            wide = dataclasses.replace(int4_ws.Config(), wg_rows=2 * int4_ws.Config().wg_rows)
+            cfg = wide if int4_ws.fits(k_stored, c.codes.shape[1], wide) else cfg
         if variant != "launches_of_3":
             return int4_ws.tiles_matmul(x, c, config=cfg)
         shipped = int4_ws.launch_tiles  # read by tiles_matmul while this traces
