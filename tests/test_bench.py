@@ -115,6 +115,8 @@ def test_describe_kernels_names_a_fusions_shape_kind_and_source_op():
     described = timing.describe_kernels(text, [fusion, "jspec_attention_combine"])
     assert list(described) == [fusion] and described[fusion].startswith("f32[8,128]")
     assert "kLoop: jit(<lambda>)/" in described[fusion]
+    renamed = text.replace(f"%{fusion} =", f"%{fusion}.127 =")  # the GPU profiler names it {fusion}_127
+    assert timing.describe_kernels(renamed, [f"{fusion}_127"]) == {f"{fusion}_127": described[fusion]}
 
 
 def test_hybrid_e2e_only_skips_the_steps(tmp_path):

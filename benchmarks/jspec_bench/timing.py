@@ -136,6 +136,7 @@ KERNEL_GROUPS = (
     ("attention", ("jspec_attention", "batched_body")),
     ("recurrent", ("jspec_gdn",)),
 )
+TOP_KERNELS = 24  # the costliest kernels a profile names (`kernel_times`' top_kernels_us)
 
 
 def kernel_times(profile, calls: int, every_kernel: bool = False) -> dict:
@@ -157,7 +158,7 @@ def kernel_times(profile, calls: int, every_kernel: bool = False) -> dict:
     for name, us in by_name.items():
         group = next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "XLA ops")
         groups[group] = groups.get(group, 0.0) + us
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
     return {
         "kernel_us": round(sum(by_name.values()), 1),
         "launches": launches // calls,
@@ -169,10 +170,13 @@ def kernel_times(profile, calls: int, every_kernel: bool = False) -> dict:
 def describe_kernels(hlo_text: str, names) -> dict:
     """{kernel name: "<shape> <kind>: <op_name>"} for the profiler's kernel `names` that are instructions of an
     optimized HLO module (`compiled.as_text()`): an XLA fusion's output shape, its fusion kind and the jax source
-    op its metadata names, so a profile's anonymous `loop_multiply_fusion` says where it comes from."""
+    op its metadata names, so a profile's anonymous `loop_multiply_fusion` says where it comes from. A kernel's
+    name is its instruction's with the numeric suffix's dot an underscore (`loop_add_fusion_127` runs
+    `%loop_add_fusion.127`)."""
     out = {}
     for name in names:
-        m = re.search(rf"^\s*(?:ROOT )?%{re.escape(name)} = (\S+) (\w+)\(.*?\)(.*)$", hlo_text, re.MULTILINE)
+        instruction = re.escape(name) + "|" + re.escape(re.sub(r"_(\d+)$", r".\1", name))
+        m = re.search(rf"^\s*(?:ROOT )?%(?:{instruction}) = (\S+) (\w+)\(.*?\)(.*)$", hlo_text, re.MULTILINE)
         if m:
             kind = re.search(r"kind=(\w+)", m.group(3))
             op = re.search(r'op_name="([^"]*)"', m.group(3))
