@@ -41,13 +41,13 @@ from pallas_kernels import ROW_TILE
 
 
 def slot_rows(settings: LoopSettings, batch_size: int) -> int:
-    """The rows of one slot in a batch step: 1 without a drafter (decode only), else k + 1; but where the batch's
-    rows would not fill one row tile and batch_size divides it, ROW_TILE // batch_size, so the batch runs one whole
-    tile as the single-sequence steps do. A part tile cuts every product's result to its rows behind an
+    """The rows of one slot in a batch step: `settings.step_rows` (1 without a drafter, else k + 1); but where the
+    batch's rows would not fill one row tile and batch_size divides it, ROW_TILE // batch_size, so the batch runs one
+    whole tile as the single-sequence steps do. A part tile cuts every product's result to its rows behind an
     optimization barrier (`pallas_kernels.backend.first_rows`), which keeps XLA from fusing the product's epilogue
     (the int4 kernel's partials' sum) into its consumer: kernels of their own in every layer. The extra rows are
     padding; no row's bits change (rule 1)."""
-    rows = 1 if settings.drafter is None else settings.k + 1
+    rows = settings.step_rows
     if batch_size * rows < ROW_TILE and ROW_TILE % batch_size == 0:
         return ROW_TILE // batch_size
     return rows

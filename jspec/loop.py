@@ -68,6 +68,11 @@ class LoopSettings:
         if self.sampling is not None and self.tie_guard != TieGuard():
             raise ValueError("TieGuard is a greedy diagnostic (near-ties of the argmax); it does not apply to sampling")
 
+    @property
+    def step_rows(self) -> int:
+        """The rows a round uses: 1 without a drafter (decode only), else k + 1 (the pending token and the draft)."""
+        return 1 if self.drafter is None else self.k + 1
+
 
 def eos_array(eos_ids, cfg: ModelConfig) -> np.ndarray:
     """EOS ids -> int32 [MAX_EOS_IDS], -1 padded: one fixed shape, so every request of an Engine runs the same
@@ -342,7 +347,7 @@ def slot_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loo
         state, tile, row_tokens = decode_tile(params, cfg, loop.state, tile_rows=rows)
     else:
         state, tile, row_tokens = verify_tile(params, cfg, loop.state, loop.draft, tile_rows=rows)
-    used = _step_rows(tile, 1 if decode_only else settings.k + 1)
+    used = _step_rows(tile, settings.step_rows)
     if settings.sampling is None:
         chosen = jnp.argmax(used, axis=-1).astype(jnp.int32)
     else:
