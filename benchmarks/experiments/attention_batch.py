@@ -5,7 +5,10 @@ before the batch grid), the grid one call alone gets, and the batch grid with a 
 with one program per two tile rows against one per two of the call's M rows. Llama-3-8B attention (32 / 8 heads of
 128, bf16), the batch bench's cache (max_len 400: 512 positions), every slot at its own start in 320..383, M = 1
 (decode) and M = 8 (verify, k = 7): GPU kernel time per layer (XLA profiler), the KV bytes it reads against the
-time, and whether every variant gives the default's bits (each also against slot 0 alone).
+time, and whether every variant gives the default's bits (each also against slot 0 alone). Two variants take
+another partition, so other bits by design: `split512` (splits of 512 positions from 0: one split per slot-head at
+these contexts, where the default's 128-position near splits give three, each stored and combined) and `block_k128`
+(128-position blocks, a 2-deep ring): what a batch engine would gain from a partition of its own.
 
     python3 benchmarks/experiments/attention_batch.py --out $OUT/attention_batch_grid_h200.json --commit <sha>
 """
@@ -121,11 +124,19 @@ def main() -> None:
                     if r["batch_grid"]
                     else {}
                 ),
+                # other partitions (other bits): one split of 512 positions where the near splits hold 128 (the
+                # short splits fill the GPU for one sequence; a batch has slot-heads enough), blocks of 128
+                "split512": dict(split=512, far_split=512),
+                "block_k128": dict(block_k=128, num_stages=2),
             }
             outs = {}
             for label, kw in variants.items():
                 fn = batched(m, interpret=False, mosaic=True, **kw)
-                outs[label] = np.asarray(fn(qs, kvs, starts))
+                try:
+                    outs[label] = np.asarray(fn(qs, kvs, starts))
+                except Exception as e:  # a variant that does not compile is recorded, the others still run
+                    r["variants"][label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    continue
                 t = kernel_us(fn, qs, kvs, starts)
                 r["variants"][label] = {
                     "kernel_us": t["kernel_us"],
@@ -138,7 +149,7 @@ def main() -> None:
             }
             r["slot0_equals_alone"] = bool(np.array_equal(bits(outs["default"][0]), bits(alone)))
             r["combine"] = combine_variants(qs, kvs, starts, m)
-            us = {k: v["kernel_us"] for k, v in r["variants"].items()}
+            us = {k: v.get("kernel_us", "error") for k, v in r["variants"].items()}
             print(f"B={b} M={m}: {us}, combine {r['combine']}, bits {r['same_bits_as_default']}", flush=True)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
