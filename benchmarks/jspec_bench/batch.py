@@ -125,8 +125,11 @@ def section_batch(ctx: Context, sec: dict) -> None:
         base = r["decode_tok_s"] if b == 1 else base
         r["vs_b1"] = r["decode_tok_s"] / base if base else None
         r["vs_engine_generate"] = r["decode_tok_s"] / sec["engine_generate"]["decode_tok_s"]
-        r["round_alone"] = _round_alone(ctx, engine, batch, n)
-        r["round_alone"]["loop_vs_alone"] = r["ms_per_round"] / r["round_alone"]["ms"]
+        try:
+            r["round_alone"] = _round_alone(ctx, engine, batch, n)
+            r["round_alone"]["loop_vs_alone"] = r["ms_per_round"] / r["round_alone"]["ms"]
+        except Exception as e:  # an add-on measurement: record why, keep the batch's own figures
+            r["round_alone"] = {"error": _error_text(e)}
         print(
             f"  batch greedy B={b}: {r['decode_tok_s']:.0f} tok/s decode"
             + (f" ({r['vs_b1']:.2f}x B=1)" if r["vs_b1"] else "")
