@@ -163,8 +163,9 @@ def test_quick_peer_targets_plots_and_table(quick, capsys):
     assert shard["shard_config"]["num_heads"] == 2 and shard["collectives"]["all_reduce"] == 2 * 2 + 1
     assert targets["zero recompiles after warm-up (e2e engines)"]["value"] == 0
     assert all("not evaluated" in t["detail"] for t in targets.values())
-    assert sorted(data["plots"]) == sorted(str(out / "plots" / f) for f in ("roofline.png", "speedup.png"))
-    assert all((out / "plots" / f).stat().st_size > 1000 for f in ("roofline.png", "speedup.png"))
+    drawn = ("roofline.png", "speedup.png", "batch.png")
+    assert sorted(data["plots"]) == sorted(str(out / "plots" / f) for f in drawn)
+    assert all((out / "plots" / f).stat().st_size > 1000 for f in drawn)
     assert jspec_bench.main(["--readme-table", str(out / "r.json")]) == 0
     table = capsys.readouterr().out
     for text in (
@@ -258,6 +259,16 @@ def test_step_time_plot_is_drawn_from_a_gpu_run(tmp_path):
     files = plots.make_plots(data, str(tmp_path))
     assert sorted(files) == sorted(str(tmp_path / f) for f in ("roofline.png", "step_time.png", "speedup.png"))
     assert (tmp_path / "step_time.png").stat().st_size > 1000
+
+
+def test_batch_plot_is_drawn_from_a_batch_run(tmp_path):
+    """The committed H200 batch run (batch sizes, lookup, no step sections) gets batch.png alone; a run without a
+    batch section (bench_h200.json, above) gets none."""
+    data = json.loads(
+        (Path(__file__).resolve().parents[1] / "benchmarks/results/bench_batch_grid_h200.json").read_text()
+    )
+    assert plots.make_plots(data, str(tmp_path)) == [str(tmp_path / "batch.png")]
+    assert (tmp_path / "batch.png").stat().st_size > 1000
 
 
 def test_profile_records_what_runs():

@@ -1,6 +1,6 @@
 """The plots of a results JSON (`make_plots`, matplotlib): roofline.png (each step kind's read bandwidth as % of the
-roofline), step_time.png (GPU runs: where a decode step's time goes, by kernel group) and speedup.png (speculative
-speedup against mean_accepted, with verify's break-even)."""
+roofline), step_time.png (GPU runs: where a decode step's time goes, by kernel group), speedup.png (speculative
+speedup against mean_accepted, with verify's break-even) and batch.png (batched decode tokens/s against B)."""
 
 from __future__ import annotations
 
@@ -63,10 +63,58 @@ def _plot_step_time(plt, models: dict, path: Path) -> bool:
     return True
 
 
+def _plot_batch(plt, batch: dict, path: Path) -> bool:
+    """Batched decode tokens/s against the batch size (log-log): jspec's `generate_batch` greedy, transformers'
+    batched generate where the run has it, batched prompt lookup, against B x one sequence's `Engine.generate` (linear
+    scaling) and the batch targets (B = 16 >= 12x, B = 64 >= 35x one sequence). False without batch figures."""
+    greedy = {int(b): r for b, r in batch.get("greedy", {}).items() if "decode_tok_s" in r}
+    one = batch.get("engine_generate", {}).get("decode_tok_s")
+    if not greedy or not one:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    sizes = sorted(greedy)
+    ax.plot(sizes, [b * one for b in sizes], color="gray", ls=":", lw=1, label="B x one sequence (Engine.generate)")
+    ax.plot(sizes, [greedy[b]["decode_tok_s"] for b in sizes], "o-", color="C0", label="jspec generate_batch, greedy")
+    for b in sizes:
+        ratio = greedy[b]["decode_tok_s"] / one
+        ax.annotate(f"{ratio:.1f}x", (b, greedy[b]["decode_tok_s"]), textcoords="offset points", xytext=(4, -12),
+                    fontsize=8)  # fmt: skip
+    peer = [
+        (b, greedy[b]["transformers"]["decode_tok_s"])
+        for b in sizes
+        if "decode_tok_s" in greedy[b].get("transformers", {})
+    ]
+    if peer:
+        ax.plot(*zip(*peer, strict=True), "s-", color="C1", label="transformers batched generate (bf16)")
+    lookup = sorted(
+        (int(key.split()[0].removeprefix("B=")), r["lookup"]["decode_tok_s"], key.split()[1])
+        for key, r in batch.get("lookup", {}).items()
+        if "lookup" in r
+    )
+    for i, k in enumerate(sorted({k for _, _, k in lookup})):
+        pts = [(b, v) for b, v, kk in lookup if kk == k]
+        ax.plot(*zip(*pts, strict=True), "^", ms=8, color=f"C{2 + i}", label=f"jspec prompt lookup {k}, echo prompts")
+    for b, key in ((16, "batch16_over_b1"), (64, "batch64_over_b1")):
+        ax.plot(b, TARGETS[key] * one, "rx", ms=9, mew=2, label="targets (12x at 16, 35x at 64)" if b == 16 else None)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ticks = sorted(set(sizes) | {b for b, _, _ in lookup})
+    ax.set_xticks(ticks, [str(b) for b in ticks])
+    ax.set_xlabel("batch size B (sequences per step)")
+    ax.set_ylabel("decode tokens/s (the batch, prefill excluded)")
+    ax.set_title(f"{batch.get('model')}: batched decode, each sequence's tokens its own")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def make_plots(data: dict, out_dir: str) -> list[str]:
     """roofline.png: each step kind's achieved read bandwidth as % of the roofline, per model (step time on the bar);
     step_time.png (GPU runs): where each model's decode step time goes (`_plot_step_time`);
-    speedup.png: speculative speedup against mean_accepted, with verify(k)'s break-even mean_accepted."""
+    speedup.png: speculative speedup against mean_accepted, with verify(k)'s break-even mean_accepted;
+    batch.png: batched decode tokens/s against the batch size (`_plot_batch`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -140,4 +188,6 @@ def make_plots(data: dict, out_dir: str) -> list[str]:
         fig.tight_layout()
         fig.savefig(files[-1], dpi=120)
         plt.close(fig)
+    if _plot_batch(plt, data["sections"].get("batch", {}), out / "batch.png"):
+        files.append(str(out / "batch.png"))
     return files
