@@ -10,11 +10,15 @@ gives the same bits (and each row tile's bits computed alone by `rows_matmul`). 
   conversion overlaps the previous chunk's wgmma, and at N = 64 a wgmma takes 4x the time it takes at N = 16);
 - wide_all: 256-row weight tiles for every product that fits them (qkv, o, down too): at 64 rows a pipeline step
   streams a 32 KB x tile beside 16 KB of 128-row codes, twice the codes' bytes, so wider tiles halve the x bytes
-  a weight byte costs. Another partition: other bits than the shipped kernel's (reported, not required).
+  a weight byte costs. Another partition: other bits than the shipped kernel's (reported, not required);
+- tile_per_cta: the shipped tiles, one CTA per weight tile (`Config.ctas` = tiles: every tile one segment), so no
+  f32 partials are written beyond the product and the combine reads one slot: at 64 rows a layer's stream-K
+  partials are ~30 MB written and ~38 MB read beside 109 MB of weights. Fewer CTAs than SMs where N is short
+  (qkv 48, o and down 32, gate_up 112 of 132); another partition, other bits.
 
     python3 benchmarks/experiments/int4_wide_wgmma.py --out $OUT/int4_wide_wgmma_h200.json --commit <sha>
     python3 benchmarks/experiments/int4_wide_wgmma.py --variants wide,launches_of_3 --rows 16,48,64,128 ...
-    python3 benchmarks/experiments/int4_wide_wgmma.py --variants wide,chunks4,wide_all --rows 16,64,128 ...
+    python3 benchmarks/experiments/int4_wide_wgmma.py --variants wide,chunks4,wide_all,tile_per_cta --rows 16,64,128 ...
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ def product(variant: str):
             cfg = dataclasses.replace(cfg, wide_wgmma=False)
         if variant == "chunks4":
             cfg = dataclasses.replace(cfg, chunks=4)
+        if variant == "tile_per_cta":
+            cfg = dataclasses.replace(cfg, ctas=c.codes.shape[1] // cfg.tile_rows)
         if variant == "wide_all":
             wide = dataclasses.replace(int4_ws.Config(), wg_rows=2 * int4_ws.Config().wg_rows)
             cfg = wide if int4_ws.fits(k_stored, c.codes.shape[1], wide) else cfg
