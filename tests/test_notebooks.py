@@ -40,6 +40,16 @@ EXPECTED = {
         3,
     ),
     "03_cost_model.ipynb": (["STEP_COST_SOURCES", "r_k = break-even", "COST_MODEL_OK"], 1),
+    "04_batches.ipynb": (
+        [
+            "NEIGHBOURS_DONT_MATTER: True",
+            "BATCH_LOOKUP_IDENTICAL: True",
+            "SAMPLED_IN_ANY_BATCH: True",
+            "x one sequence",
+            "BATCHES_OK",
+        ],
+        1,
+    ),
 }
 
 
