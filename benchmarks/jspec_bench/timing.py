@@ -139,10 +139,9 @@ KERNEL_GROUPS = (
 TOP_KERNELS = 24  # the costliest kernels a profile names (`kernel_times`' top_kernels_us)
 
 
-def kernel_times(profile, calls: int, every_kernel: bool = False) -> dict:
+def kernel_times(profile, calls: int) -> dict:
     """GPU kernel time per call from a `jax.profiler.ProfileData` of `calls` calls: every kernel event on the GPU
-    planes' stream lines, summed by name and by `KERNEL_GROUPS` group, in microseconds per call (every_kernel: also
-    each kernel name's, unrounded, under "by_name_us")."""
+    planes' stream lines, summed by name and by `KERNEL_GROUPS` group, in microseconds per call."""
     by_name: dict[str, float] = {}
     launches = 0
     for plane in profile.planes:
@@ -164,7 +163,7 @@ def kernel_times(profile, calls: int, every_kernel: bool = False) -> dict:
         "launches": launches // calls,
         "groups_us": {g: round(us, 1) for g, us in sorted(groups.items(), key=lambda kv: -kv[1])},
         "top_kernels_us": {name[:80]: round(us, 1) for name, us in top},
-    } | ({"by_name_us": by_name} if every_kernel else {})
+    }
 
 
 def describe_kernels(hlo_text: str, names) -> dict:
