@@ -38,6 +38,7 @@ from jspec.loop import (
 )
 from jspec.sampling import SamplerValues
 from pallas_kernels import ROW_TILE
+from pallas_kernels.backend import sm_count
 
 
 def slot_rows(settings: LoopSettings, batch_size: int) -> int:
@@ -51,6 +52,18 @@ def slot_rows(settings: LoopSettings, batch_size: int) -> int:
     if batch_size * rows < ROW_TILE and ROW_TILE % batch_size == 0:
         return ROW_TILE // batch_size
     return rows
+
+
+def one_split(cfg: ModelConfig, batch_size: int) -> bool:
+    """Whether a batch round's attention reads each slot's cache as one split, with no combine (the decode /
+    verify partition otherwise cuts it into splits of 128 / 512 positions, docs/design.md rule 2): when the
+    batch's (slot, KV head) items fill the GPU's SMs (`pallas_kernels.sm_count`: 132 on the H200, and wherever no
+    count is known) with no SM for a second CTA an item, a CTA runs an item's splits one after another, so splits buy
+    no parallelism, only their partials' stores and a combine (H200, Llama-3-8B shape, B = 64:
+    benchmarks/experiments/results/attention_batch_partition_h200.json). A static of the engine, a function of
+    its batch size and model alone: a sequence's bits never depend on its neighbours or its slot (rule 9), but may
+    differ from an engine of another batch size, as they may between row tiles."""
+    return 2 * batch_size * cfg.num_kv_heads > sm_count()
 
 
 def empty_batch(params: dict, cfg: ModelConfig, settings: LoopSettings, batch_size: int, own=None) -> Loop:
@@ -72,8 +85,9 @@ def fill_slot(params, cfg, settings, batch: Loop, slot, prompt, length, max_new,
 
 def batch_round(params: dict, cfg: ModelConfig, settings: LoopSettings, batch: Loop, own=None) -> Loop:
     """One round of every running slot. A stopped slot keeps its Loop except its caches (`_keep_stopped`)."""
-    rows = slot_rows(settings, batch.done.shape[0])
-    new = jax.vmap(lambda lp: slot_round(params, cfg, settings, lp, rows, own))(batch)
+    size = batch.done.shape[0]
+    rows, whole = slot_rows(settings, size), one_split(cfg, size)
+    new = jax.vmap(lambda lp: slot_round(params, cfg, settings, lp, rows, own, whole))(batch)
     return _keep_stopped(batch.done, batch, new)
 
 

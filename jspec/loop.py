@@ -334,9 +334,12 @@ def verify_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: L
     return _finish_round(params, cfg, settings, loop, state, committed, n_acc + 1, n_acc > 0, own)
 
 
-def slot_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop, rows: int, own=None) -> Loop:
+def slot_round(
+    params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop, rows: int, own=None, one_split: bool = False
+) -> Loop:
     """One round of one slot of a batch (`jspec.batch`, under `jax.vmap` over the slots): the slot's own tile of
-    `rows` rows (`jspec.batch.slot_rows`: at least 1 without a drafter, k + 1 with one) verifies its draft when
+    `rows` rows (`jspec.batch.slot_rows`: at least 1 without a drafter, k + 1 with one; its attention's partition
+    `jspec.batch.one_split`) verifies its draft when
     loop.use_verify, else the same step with no draft valid decodes (row 0 is the decode step's, bit for bit: rule
     1). One step shape for every slot whatever each one does, so a batch step is one forward. Greedy or sampled; the
     default TieGuard only."""
@@ -344,9 +347,9 @@ def slot_round(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loo
     n_valid = jnp.where(verified, loop.n_valid, 0)
     decode_only = settings.drafter is None
     if decode_only:
-        state, tile, row_tokens = decode_tile(params, cfg, loop.state, tile_rows=rows)
+        state, tile, row_tokens = decode_tile(params, cfg, loop.state, tile_rows=rows, one_split=one_split)
     else:
-        state, tile, row_tokens = verify_tile(params, cfg, loop.state, loop.draft, tile_rows=rows)
+        state, tile, row_tokens = verify_tile(params, cfg, loop.state, loop.draft, rows, one_split)
     used = _step_rows(tile, settings.step_rows)
     if settings.sampling is None:
         chosen = jnp.argmax(used, axis=-1).astype(jnp.int32)

@@ -118,22 +118,24 @@ def run_chunks(params: dict, cfg: ModelConfig, carry, start, length, chunk: int,
     return jax.lax.switch(jnp.clip(index, 0, len(sizes) - 1), branches, (carry, start))
 
 
-def _tile_step(params: dict, cfg: ModelConfig, state: DecodeState, row_tokens: jax.Array, rows: int):
+def _tile_step(params: dict, cfg: ModelConfig, state: DecodeState, row_tokens: jax.Array, rows: int, one_split=False):
     """Run one row tile at state.position. row_tokens int32 [T] (T = ROW_TILE, or a batch slot's rows);
-    rows = valid rows (static). The tile's hidden rows go to state.hidden[:T]."""
-    hidden, cache = family_module(cfg).step(params, cfg, row_tokens, state.cache, state.position, state.slot, rows)
+    rows = valid rows (static); one_split (static): the attention's partition (`jspec.models.layers.Run`). The
+    tile's hidden rows go to state.hidden[:T]."""
+    family = family_module(cfg)
+    hidden, cache = family.step(params, cfg, row_tokens, state.cache, state.position, state.slot, rows, one_split)
     logits = jax.lax.optimization_barrier(logits_from_hidden(params, cfg, hidden))
     kept = hidden if hidden.shape[0] == state.hidden.shape[0] else state.hidden.at[: hidden.shape[0]].set(hidden)
     return dataclasses.replace(state, cache=cache, hidden=kept), logits
 
 
-def decode_tile(params: dict, cfg: ModelConfig, state: DecodeState, tile_rows: int = ROW_TILE):
+def decode_tile(params: dict, cfg: ModelConfig, state: DecodeState, tile_rows: int = ROW_TILE, one_split=False):
     """`decode_step` with the whole row tile: (state, float32 logits [tile_rows, V], the tile's input tokens int32
     [tile_rows]); row 0 is the decode's, the others are padding. tile_rows: ROW_TILE, or the rows of one slot of a
-    batch (`jspec.batch`)."""
+    batch (`jspec.batch`); one_split: the attention's partition (`jspec.batch.one_split`)."""
     pending = state.tokens[state.position]
     row_tokens = jnp.zeros((tile_rows,), jnp.int32).at[0].set(pending)
-    state, logits = _tile_step(params, cfg, state, row_tokens, rows=1)
+    state, logits = _tile_step(params, cfg, state, row_tokens, rows=1, one_split=one_split)
     return state, logits, row_tokens
 
 
@@ -146,15 +148,18 @@ def decode_step(params: dict, cfg: ModelConfig, state: DecodeState):
     return state, logits[0]
 
 
-def verify_tile(params: dict, cfg: ModelConfig, state: DecodeState, draft: jax.Array, tile_rows: int = ROW_TILE):
+def verify_tile(
+    params: dict, cfg: ModelConfig, state: DecodeState, draft: jax.Array, tile_rows: int = ROW_TILE, one_split=False
+):
     """`verify_step` with the whole row tile: (state, float32 logits [tile_rows, V], input tokens int32
-    [tile_rows]: the pending token, the draft, padding). tile_rows: as `decode_tile` (k + 1 <= tile_rows)."""
+    [tile_rows]: the pending token, the draft, padding). tile_rows (k + 1 <= tile_rows) and one_split: as
+    `decode_tile`."""
     k = draft.shape[0]
     if not 1 <= k <= tile_rows - 1:
         raise ValueError(f"draft length k={k} must be in 1..{tile_rows - 1} (k + 1 rows within the row tile)")
     pending = state.tokens[state.position]
     row_tokens = jnp.zeros((tile_rows,), jnp.int32).at[0].set(pending).at[1 : k + 1].set(draft.astype(jnp.int32))
-    state, logits = _tile_step(params, cfg, state, row_tokens, rows=k + 1)
+    state, logits = _tile_step(params, cfg, state, row_tokens, rows=k + 1, one_split=one_split)
     tokens = jax.lax.dynamic_update_slice(state.tokens, draft.astype(jnp.int32), (state.position + 1,))
     return dataclasses.replace(state, tokens=tokens), logits, row_tokens
 

@@ -14,7 +14,13 @@ from pallas_kernels import backend as _backend
 
 
 def attention(
-    q: jax.Array, kv_cache: jax.Array, start: jax.Array, *, scale: float, rows: int | None = None
+    q: jax.Array,
+    kv_cache: jax.Array,
+    start: jax.Array,
+    *,
+    scale: float,
+    rows: int | None = None,
+    one_split: bool = False,
 ) -> jax.Array:
     """q [M <= ROW_TILE, Hq, D] at positions start..start+M-1; kv_cache [S, Hkv, 2, D] (keys at [:, :, 0], values
     at [:, :, 1]: one array, so a step writes its new rows with one update); -> [M, Hq, D] in q.dtype.
@@ -23,12 +29,19 @@ def attention(
     GQA: query head h uses KV head h // (Hq // Hkv). Softmax statistics in float32.
     rows (static, default M): only rows 0..rows-1 are queries (a row tile's valid rows); the output's rows from
     `rows` on are zero, and a kernel may skip them.
+    one_split (static): the kernels read the whole cache as one split, with no combine, instead of the default
+    partition (splits of 128 / 512 positions, docs/design.md rule 2): the partition of a batch whose slots alone
+    fill the GPU (`jspec.batch.one_split`). Another partition, so other bits; rows stay exact across M. The
+    reference backend computes without a partition and ignores it.
     """
     name = _backend.get_backend()
     if name != "reference":  # the kernel checks its inputs itself
         from pallas_kernels import attention_kernel
 
-        return attention_kernel.attention(q, kv_cache, start, scale=scale, interpret=name == "interpret", rows=rows)
+        whole = dict(split=kv_cache.shape[0], far_split=None) if one_split else {}
+        return attention_kernel.attention(
+            q, kv_cache, start, scale=scale, interpret=name == "interpret", rows=rows, **whole
+        )
     m, hq, _ = q.shape
     if m > _backend.ROW_TILE:
         raise ValueError(f"attention takes at most {_backend.ROW_TILE} query rows, got {m}")

@@ -13,7 +13,8 @@ caches is the warp-specialized Mosaic GPU kernel of `attention_ws`, which writes
 2. `_combine_kernel`, grid (q_heads, ceil(M / combine_rows)): merges the live splits' partials of each row in one
    pass (global max of m first, then one weighted sum in ascending split order, `combine_chunk` splits per step, no
    rescaling) and writes [M rounded up to combine_rows, Hq, D]; rows past the call's valid ones are written as
-   zeros.
+   zeros. A partition of one split (the whole cache: a batch engine's, when its slots alone fill the GPU) has
+   nothing to merge, and no combine runs: its partial is the output (`only_split`).
 
 Why row r is bit-identical for every M and every start that keep its position t = start + r (docs/design.md, rule 2):
 - Rows are padded to ROW_TILE and the valid row count is data (next to the start), so every call runs the same
@@ -515,21 +516,39 @@ def _merge(
     combine_stages,
 ):
     """The combine of a call's split partials (either split kernel's layout) into its first ceil(m / combine_rows)
-    * combine_rows rows [.., q_heads, D]."""
-    return combine(
-        start_arr,
-        *parts,
+    * combine_rows rows [.., q_heads, D]; a partition of one split has nothing to combine (`only_split`)."""
+    layout = dict(
         q_heads=q_heads,
         head_rows=attention_ws.head_rows(group) if mosaic else ROW_TILE,
         chunk_rows=attention_ws.WG_ROWS if mosaic else parts[0].shape[2],
+    )
+    out_rows = -(-m // combine_rows) * combine_rows
+    if parts[0].shape[1] == 1:
+        return only_split(start_arr, parts[0], out_rows=out_rows, **layout)
+    return combine(
+        start_arr,
+        *parts,
+        **layout,
         splits=splits,
         interpret=interpret,
         rows=combine_rows,
         chunk=combine_chunk,
         warps=combine_warps,
         stages=combine_stages,
-        out_rows=-(-m // combine_rows) * combine_rows,
+        out_rows=out_rows,
     )
+
+
+def only_split(start_arr, o_part, *, q_heads, head_rows, chunk_rows, out_rows):
+    """The rows of a partition of one split (`split` = the cache length, far_split None): its partial out = acc / l
+    is the attention itself, so no combine runs; o_part [Hkv, 1, T, D] (`query_tile` layout) -> its first out_rows
+    rows [out_rows, q_heads, D], rows from start_arr[1] (the valid ones) on zero. A move of values, no arithmetic,
+    so a row's bits are the split kernel's whatever the call's M (rule 7: no reduction for XLA to fuse a slice into)."""
+    hkv, _, t, d = o_part.shape
+    group, chunks = q_heads // hkv, t // chunk_rows
+    o = o_part[:, 0].reshape(hkv, chunks, chunk_rows, d)[:, :, : group * head_rows]
+    o = o.reshape(hkv, chunks, group, head_rows, d).transpose(1, 3, 0, 2, 4).reshape(chunks * head_rows, q_heads, d)
+    return jnp.where((jnp.arange(out_rows) < start_arr[1])[:, None, None], o[:out_rows], jnp.zeros((), o.dtype))
 
 
 def query_tile(q: jax.Array, hkv: int, head_rows: int, chunk_rows: int) -> jax.Array:

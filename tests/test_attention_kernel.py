@@ -279,18 +279,55 @@ def test_slots_under_vmap_get_the_bits_of_their_calls_alone(interpret, hq, hkv, 
             assert np.array_equal(bits(np.asarray(fixed)), bits(batched)), f"ctas=5, M = {m}"
 
 
+@pytest.mark.parametrize(
+    "interpret, hq, hkv, d",
+    [(True, HQ, HKV, D), pytest.param(False, 32, 8, 128, marks=pytest.mark.skipif(not ON_GPU, reason="needs a GPU"))],
+)
+def test_one_split_runs_no_combine_and_keeps_rows_exact(interpret, hq, hkv, d):
+    """The partition of one split (the whole cache: a large batch's, `jspec.batch.one_split`) runs the split kernel
+    alone, no combine: its rows are exact across M (positions across a block boundary, every call with stale data
+    past its tile), rows past the valid ones are zero, they match the reference, and under `jax.vmap` each slot
+    gets the bits of its call alone."""
+    dtype = jnp.float32 if interpret else jnp.bfloat16
+    s_len = 512
+    kw = dict(split=s_len, far_split=None, interpret=interpret)
+    _check_rows_exact(dtype, list(range(249, 264)), (1, 5, ROW_TILE), s_len=s_len, hq=hq, hkv=hkv, d=d, **kw)
+    q_hist, kv_hist = _history(dtype, seed=11, s_len=s_len, hq=hq, hkv=hkv, d=d)
+    call = jax.jit(lambda q, kv, t: attention_kernel.attention(q, kv, t, scale=d**-0.5, **kw))
+    tol = 2e-5 if interpret else 2e-2
+    for start, m in [(0, 1), (61, 5), (300, ROW_TILE), (s_len - ROW_TILE, 3)]:
+        q, at = q_hist[start : start + m], jnp.int32(start)
+        kernels = call.lower(q, kv_hist, at).as_text(debug_info=True)
+        assert "jspec_attention_combine" not in kernels and "jspec_attention" in kernels
+        out = np.asarray(call(q, kv_hist, at), np.float32)
+        ref = np.asarray(reference_attention(q, kv_hist, at, scale=d**-0.5), np.float32)
+        np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
+    q = q_hist[100 : 100 + ROW_TILE]
+    some = np.asarray(attention_kernel.attention(q, kv_hist, jnp.int32(100), rows=3, scale=d**-0.5, **kw))
+    alone = np.asarray(call(q[:3], kv_hist, jnp.int32(100)))
+    assert np.array_equal(bits(some[:3]), bits(alone)) and not some[3:].any()
+    starts = jnp.asarray([3, 250, 497], jnp.int32)
+    qs = jnp.stack([q_hist[t : t + 8] for t in (3, 250, 497)])
+    kvs = jnp.stack([_with_stale(kv_hist, t, 8, seed=t) for t in (3, 250, 497)])
+    batched = np.asarray(jax.vmap(call)(qs, kvs, starts))
+    for i in range(3):
+        assert np.array_equal(bits(batched[i]), bits(np.asarray(call(qs[i], kvs[i], starts[i])))), f"slot {i}"
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
 @pytest.mark.parametrize("slots, hq, hkv, d", [(40, 16, 4, 128), (17, 40, 8, 128), (70, 4, 2, 64)])
-def test_gpu_batch_grid_gives_each_slot_the_bits_of_its_call_alone(slots, hq, hkv, d):
+@pytest.mark.parametrize("one_split", [False, True])
+def test_gpu_batch_grid_gives_each_slot_the_bits_of_its_call_alone(slots, hq, hkv, d, one_split):
     """A batch whose (slot, KV head) items outnumber the SMs runs one persistent grid over all of it
     (`attention_ws.batch_split_partials`: CTAs running several slots' splits in one pipeline): each slot's rows are
     the bits of its call alone (one slot's grid), for a decode, a verify tile and (40 heads on 8: two 64-row chunks
-    of 12 rows a head) a full row tile, every slot at its own start across the near/far split boundary."""
+    of 12 rows a head) a full row tile, every slot at its own start across the near/far split boundary; in the
+    default partition and in one split of the whole cache (no combine)."""
     assert attention_ws.batch_grid(slots, hkv, d)
     s_len = 1536
     starts = [(97 * i + 5) % (s_len - ROW_TILE) for i in range(slots)]
     q_hist, kv_hist = _history(jnp.bfloat16, seed=3, s_len=s_len, hq=hq, hkv=hkv, d=d)
-    kw = dict(scale=d**-0.5, interpret=False)
+    kw = dict(scale=d**-0.5, interpret=False, **(dict(split=s_len, far_split=None) if one_split else {}))
     call = lambda q, kv, t: attention_kernel.attention(q, kv, t, **kw)  # noqa: E731
     for m in (1, 8, ROW_TILE):
         qs = jnp.stack([q_hist[t : t + m] for t in starts])

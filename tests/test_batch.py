@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.batch import empty_batch, fill_slot, slot_rows
+from jspec.batch import batch_round, empty_batch, fill_slot, slot_rows
 from jspec.exactness import bits
 from jspec.loop import eos_array
 from jspec.models import hybrid
 from jspec.models.mtp import init_mtp_params
 from jspec.steps import verify_tile
+from pallas_kernels import use_backend
 from tests.tiny import tiny_config, tiny_params
 
 MAX_LEN = 64
@@ -194,3 +195,30 @@ def test_batch_bad_input():
         eng.generate_batch("hello", 4)
     with pytest.raises(jspec.MemoryBudgetError, match="batch_size=100000"):
         jspec.Engine(params, cfg, max_len=4096, batch_size=100_000)
+
+
+def test_one_split_batches_keep_each_sequence_its_own_tokens(monkeypatch):
+    """Where the slots fill the GPU (here an SM count patched down to 2), a batch round's attention reads each slot's
+    cache as one split and runs no combine (`jspec.batch.one_split`; the interpret kernels, where the reference
+    backend has no partition): a sequence's tokens are the same beside other prompts as alone in the engine, and
+    prompt lookup gives the plain batch's tokens. The default SM count keeps the partition at these sizes."""
+    params, cfg = model("qwen2")
+    assert not jspec.batch.one_split(cfg, 3) and jspec.batch.one_split(cfg, 64)  # 2 KV heads, 132 SMs
+    monkeypatch.setattr(jspec.batch, "sm_count", lambda: 2)
+    assert jspec.batch.one_split(cfg, 3)
+    ps, budgets = prompts(cfg)[:4], [12, 3, 10, 8]
+    with use_backend("interpret"):
+        eng = jspec.Engine(params, cfg, max_len=MAX_LEN, k=3, prefill_chunk=16, batch_size=3)
+        settings = eng.settings()
+        batch = empty_batch(params, cfg, settings, 3)
+        kernels = jax.jit(lambda b: batch_round(params, cfg, settings, b)).lower(batch).as_text(debug_info=True)
+        assert "jspec_attention_split" in kernels and "jspec_attention_combine" not in kernels
+        plain = eng.generate_batch(ps, budgets, eos_id=())
+        lookup = eng.generate_batch(ps, budgets, drafter=jspec.PromptLookup(), eos_id=())
+        for i, p in enumerate(ps):
+            alone = eng.generate_batch([p], budgets[i], eos_id=()).results[0].tokens  # the other slots empty
+            assert plain.results[i].tokens == alone == lookup.results[i].tokens, f"prompt {i}"
+            # the default partition's tokens too: another partition's last bits flip none of this float32 model's
+            # tokens (a check that the one split computes the attention, not a contract)
+            assert alone == eng.generate(p, budgets[i], eos_id=()).tokens, f"prompt {i}"
+    assert sum(r.stats.verify_steps for r in lookup.results) > 0  # not vacuous: drafts were verified

@@ -5,7 +5,8 @@
    and the ratio to B = 1. The contract (an identity check): `CHECKED` of the sequences, each run again alone in
    the same engine (the other slots empty), give the same tokens. A fact, not a requirement (docs/design.md rule
    9): whether every sequence's tokens equal those of the B = 1 engine (`same_as_b1_engine`; a B-slot engine runs
-   other shapes). One round as an executable of its own (`round_alone`): its time against the loop's round and,
+   other shapes), nor one whose attention partition differs (`attention_one_split`: `jspec.batch.one_split`,
+   each slot's cache one split where the slots fill the GPU). One round as an executable of its own (`round_alone`): its time against the loop's round and,
    on the GPU, its kernels by group (int4 kernels, attention, XLA ops) and the top kernels' HLO sources; and the
    int4 products of one layer and the lm_head at 16 .. 128 rows: several row tiles per launch against one.
    Each B's tokens/s also against `Engine.generate` of the first prompt alone (`vs_engine_generate`, host loop,
@@ -26,7 +27,7 @@ import time
 
 import numpy as np
 
-from jspec.batch import batch_round
+from jspec.batch import batch_round, one_split
 from jspec.drafters import PromptLookup
 from jspec.engine import Engine
 from jspec_bench.e2e import echo_prompt, random_filler
@@ -120,6 +121,7 @@ def section_batch(ctx: Context, sec: dict) -> None:
             engine.generate_batch([batch[i]], n, eos_id=()).results[0].tokens == out.results[i].tokens for i in picks
         ]
         r["checked_alone_in_engine"] = picks
+        r["attention_one_split"] = one_split(cfg, b)
         r["identical"] = ctx.report.check_identity(all(own), f"batch/greedy B={b}: a sequence differs run alone")
         r["same_as_b1_engine"] = sum(out.results[i].tokens == greedy_alone(i, batch[i]) for i in range(b))
         base = r["decode_tok_s"] if b == 1 else base

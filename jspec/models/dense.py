@@ -69,7 +69,7 @@ def cached_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array,
         cache = write_rows(cache, fresh, run.start)
         return chunk_attention(q, cache, run.start, scale=scale), cache
     cache = jax.lax.dynamic_update_slice(cache, fresh.astype(cache.dtype), (run.start, 0, 0, 0))
-    return attention(q, cache, run.start, scale=scale, rows=run.rows), cache
+    return attention(q, cache, run.start, scale=scale, rows=run.rows, one_split=run.one_split), cache
 
 
 def write_rows(cache: jax.Array, rows: jax.Array, start) -> jax.Array:
@@ -125,11 +125,11 @@ def prefill_chunk(params: dict, cfg: ModelConfig, tokens: jax.Array, cache, star
     return _layers(params, cfg, tokens, cache, Run.prefill(start))
 
 
-def step(params: dict, cfg: ModelConfig, tokens: jax.Array, cache, start, slot, rows: int):
+def step(params: dict, cfg: ModelConfig, tokens: jax.Array, cache, start, slot, rows: int, one_split: bool = False):
     """One row tile tokens [ROW_TILE] at positions start.. (`rows` valid, static) -> (hidden [ROW_TILE, H], cache).
-    slot (the committed recurrent candidate) matters to recurrent families only."""
+    slot (the committed recurrent candidate) matters to recurrent families only; one_split: `Run.step`'s."""
     del slot
-    return _layers(params, cfg, tokens, cache, Run.step(start, rows))
+    return _layers(params, cfg, tokens, cache, Run.step(start, rows, one_split=one_split))
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.05) -> dict:

@@ -173,10 +173,11 @@ def prefill_chunk(params: dict, cfg: ModelConfig, tokens: jax.Array, cache, star
     return _layers(params, cfg, tokens, cache, Run.prefill(start, n_valid))
 
 
-def step(params: dict, cfg: ModelConfig, tokens: jax.Array, cache, start, slot, rows: int):
+def step(params: dict, cfg: ModelConfig, tokens: jax.Array, cache, start, slot, rows: int, one_split: bool = False):
     """One row tile tokens [ROW_TILE] at positions start.., `rows` valid (static), advancing every recurrent layer
-    from candidate `slot` (int32 []) -> (hidden [ROW_TILE, H], cache with the post-state after row i in slot i)."""
-    return _layers(params, cfg, tokens, cache, Run.step(start, rows, slot))
+    from candidate `slot` (int32 []) -> (hidden [ROW_TILE, H], cache with the post-state after row i in slot i).
+    one_split: `Run.step`'s."""
+    return _layers(params, cfg, tokens, cache, Run.step(start, rows, slot, one_split))
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.05) -> dict:

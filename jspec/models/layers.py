@@ -26,7 +26,8 @@ class Run:
       it writes its cache rows and attends the cache with the flash path; recurrent layers continue from the
       committed state and leave theirs after row n_valid - 1.
     step: a row tile (T = ROW_TILE) at start whose first `rows` rows are valid, through the row-exact kernels;
-      recurrent layers advance from candidate `slot` (docs/design.md, rules 1-3).
+      recurrent layers advance from candidate `slot` (docs/design.md, rules 1-3); one_split (static): the attention
+      reads the whole cache as one split (`pallas_kernels.attention`; a large batch's partition, `jspec.batch`).
     """
 
     kind: str
@@ -34,6 +35,7 @@ class Run:
     n_valid: Any = None
     slot: Any = None
     rows: int | None = None
+    one_split: bool = False
 
     @classmethod
     def forward(cls) -> Run:
@@ -44,8 +46,8 @@ class Run:
         return cls(PREFILL, start=start, n_valid=n_valid)
 
     @classmethod
-    def step(cls, start, rows: int, slot=None) -> Run:
-        return cls(STEP, start=start, slot=slot, rows=rows)
+    def step(cls, start, rows: int, slot=None, one_split: bool = False) -> Run:
+        return cls(STEP, start=start, slot=slot, rows=rows, one_split=one_split)
 
     def positions(self, t: int) -> jax.Array:
         """int32 [t]: the absolute positions of the pass's t rows."""
