@@ -8,7 +8,8 @@
    other shapes and, where its slots fill the GPU, another attention partition: `attention_one_split`,
    `jspec.batch.one_split`). One round as an executable of its own (`round_alone`): its time against the loop's
    round and, on the GPU, its kernels by group (int4 kernels, attention, XLA ops) and the top kernels' HLO
-   sources; and the int4 products of one layer and the lm_head at 16 .. 128 rows: several row tiles per launch against one.
+   sources; and the int4 products of one layer and the lm_head at 16 .. 128 rows: several row tiles per launch
+   against one.
    Each B's tokens/s also against `Engine.generate` of the first prompt alone (`vs_engine_generate`, host loop,
    prefill excluded alike): the B = 1 engine of generate_batch runs a slot's bookkeeping a plain step does not.
 2. Prompt lookup at B = 4 and 8 with k = 3 and 7 on the e2e section's echo prompts (each slot its own prompt):
