@@ -294,7 +294,7 @@ def test_one_split_runs_no_combine_and_keeps_rows_exact(interpret, hq, hkv, d):
     _check_rows_exact(dtype, list(range(249, 264)), (1, 5, ROW_TILE), s_len=s_len, hq=hq, hkv=hkv, d=d, **kw)
     q_hist, kv_hist = _history(dtype, seed=11, s_len=s_len, hq=hq, hkv=hkv, d=d)
     call = jax.jit(lambda q, kv, t: attention_kernel.attention(q, kv, t, scale=d**-0.5, **kw))
-    tol = 2e-5 if interpret else 2e-2
+    tol = 2e-5 if interpret and not ON_GPU else 2e-2  # a GPU runs float32 dots at TF32, XLA's default precision
     for start, m in [(0, 1), (61, 5), (300, ROW_TILE), (s_len - ROW_TILE, 3)]:
         q, at = q_hist[start : start + m], jnp.int32(start)
         kernels = call.lower(q, kv_hist, at).as_text(debug_info=True)
