@@ -70,7 +70,7 @@ def _check_rows_exact(dtype, positions, ms, s_len=S, hq=HQ, hkv=HKV, d=D, **kw):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_matches_reference(dtype):
     q_hist, kv_hist = _history(dtype, seed=3)
-    tol = 2e-5 if dtype == jnp.float32 else 2e-2
+    tol = 2e-5 if dtype == jnp.float32 and not ON_GPU else 2e-2  # a GPU runs float32 dots at TF32
     reference = jax.jit(functools.partial(reference_attention, scale=SCALE))
     for m, start in [(1, 0), (16, 0), (5, 63), (16, 500), (1, 511), (5, 512), (16, S - ROW_TILE)]:
         kv = _with_stale(kv_hist, start, ROW_TILE, seed=start)
