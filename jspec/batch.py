@@ -57,9 +57,9 @@ def slot_rows(settings: LoopSettings, batch_size: int) -> int:
 def one_split(cfg: ModelConfig, batch_size: int) -> bool:
     """Whether a batch round's attention reads each slot's cache as one split, with no combine (the decode /
     verify partition otherwise cuts it into splits of 128 / 512 positions, docs/design.md rule 2): when the
-    batch's (slot, KV head) items fill the GPU's SMs (`pallas_kernels.sm_count`: 132 on the H200, and wherever no
-    count is known) with no SM for a second CTA an item, a CTA runs an item's splits one after another, so splits buy
-    no parallelism, only their partials' stores and a combine (H200, Llama-3-8B shape, B = 64:
+    batch's (slot, KV head) items fill the GPU's SMs (`pallas_kernels.backend.sm_count`: 132 on the H200, and
+    wherever no count is known) with no SM for a second CTA an item, a CTA runs an item's splits one after another,
+    so splits buy no parallelism, only their partials' stores and a combine (H200, Llama-3-8B shape, B = 64:
     benchmarks/experiments/results/attention_batch_partition_h200.json). A static of the engine, a function of
     its batch size and model alone: a sequence's bits never depend on its neighbours or its slot (rule 9), but may
     differ from an engine of another batch size, as they may between row tiles."""

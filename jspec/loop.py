@@ -349,7 +349,7 @@ def slot_round(
     if decode_only:
         state, tile, row_tokens = decode_tile(params, cfg, loop.state, tile_rows=rows, one_split=one_split)
     else:
-        state, tile, row_tokens = verify_tile(params, cfg, loop.state, loop.draft, rows, one_split)
+        state, tile, row_tokens = verify_tile(params, cfg, loop.state, loop.draft, tile_rows=rows, one_split=one_split)
     used = _step_rows(tile, settings.step_rows)
     if settings.sampling is None:
         chosen = jnp.argmax(used, axis=-1).astype(jnp.int32)

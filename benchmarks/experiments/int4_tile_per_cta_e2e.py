@@ -39,16 +39,23 @@ NEW, PROMPT = 64, 320
 @contextlib.contextmanager
 def partition(variant: str):
     """While active, `int4_ws.config_for` as `variant` runs it: "shipped", or "tile_per_cta" (256-row configs get
-    one CTA per weight tile)."""
+    one CTA per weight tile). JAX's tracing caches are cleared first, so no jaxpr traced under the other variant is
+    reused. Yields the (K, N) of every config the patch changed, so a caller can check its engines were traced
+    under it."""
     shipped = int4_ws.config_for
+    changed = []
 
     def per_tile(k: int, n: int) -> int4_ws.Config:
         cfg = shipped(k, n)
-        return dataclasses.replace(cfg, ctas=n // cfg.tile_rows) if cfg.wg_rows > int4_ws.Config().wg_rows else cfg
+        if cfg.wg_rows == int4_ws.Config().wg_rows:
+            return cfg
+        changed.append((k, n))
+        return dataclasses.replace(cfg, ctas=n // cfg.tile_rows)
 
+    jax.clear_caches()
     int4_ws.config_for = per_tile if variant == "tile_per_cta" else shipped
     try:
-        yield
+        yield changed
     finally:
         int4_ws.config_for = shipped
 
@@ -61,12 +68,15 @@ def run(variant: str, params, cfg, prompts: list, batch: int) -> dict:
     """Greedy tokens/s at B = 1 and B = `batch`, the engines compiled under `variant`'s partition."""
     max_len = PROMPT + NEW + 16
     out = {}
-    with partition(variant):
+    with partition(variant) as changed:
         single = Engine(params, cfg, max_len=max_len, k=7)
         greedy = single.generate(prompts[0], NEW, eos_id=())  # compiles
         lookup = single.generate(prompts[0], NEW, drafter=PromptLookup(), eos_id=())
         wide = Engine(params, cfg, max_len=max_len, k=7, batch_size=batch)
         wide.generate_batch(prompts[:batch], NEW, eos_id=())  # compiles
+    if variant == "tile_per_cta" and jax.default_backend() == "gpu" and not changed:
+        raise RuntimeError("tile_per_cta: no int4 product was traced under the patch (a cached trace was reused)")
+    out["patched_products"] = sorted(set(changed))
     rates = [decode_rate(single.generate(prompts[0], NEW, eos_id=()).stats) for _ in range(3)]
     out["b1"] = {"decode_tok_s": float(np.median(rates)), "runs": rates}
     out["b1"]["lookup_identical"] = lookup.tokens == greedy.tokens
