@@ -12,6 +12,7 @@ result depends on it; JSPEC_TEST_JAX_CACHE="" turns it off.
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 
@@ -160,3 +161,38 @@ def tiny_hf_model(tmp_path_factory):
         return cache[variant]
 
     return get
+
+
+def memory_mappings() -> tuple[int, int] | None:
+    """(memory mappings this process holds, the kernel's limit vm.max_map_count) on Linux; None elsewhere."""
+    try:
+        with open("/proc/self/maps", "rb") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except OSError:
+        return None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def free_executables_after_each_module(request):
+    """When a module's tests end in this process: its functools caches (engines, greedy runs) emptied, JAX's caches
+    cleared, garbage collected, so the executables it compiled are freed.
+
+    Each loaded XLA:CPU executable holds memory mappings for its JIT code (about three a compiled piece) until it is
+    freed. Kept for the whole session, an xdist worker's reached 63,668 of Linux's default limit of 65,530
+    (vm.max_map_count) by the suite's end; past it mmap fails and XLA:CPU crashes compiling or loading an executable,
+    which is how CI lost a worker in the suite's last modules five times. A module ending above 80% of the limit
+    fails here with the numbers instead."""
+    yield
+    import jax
+
+    for value in vars(request.module).values():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
+    jax.clear_caches()
+    gc.collect()
+    usage = memory_mappings()
+    if usage is not None and usage[0] > 0.8 * usage[1]:
+        pytest.fail(
+            f"this process holds {usage[0]} memory mappings after {request.module.__name__}, over 80% of "
+            f"vm.max_map_count = {usage[1]}: XLA:CPU crashes when mmap fails; free that module's executables"
+        )

@@ -27,13 +27,11 @@ STDLIB_MODULES = ("argparse", "json/decoder", "json/encoder", "textwrap", "strin
 def train(module: str, argv: list[str]) -> dict:
     """Run a trainer (`python -m checkpoints.<module> argv`) in its own process and return its metrics.json.
 
-    Each trainer runs in a fresh interpreter, its executables out of the suite's compilation cache: four clean-clone
-    CI runs lost an xdist worker inside XLA:CPU (jax 0.10.2) in this module after a trainer ran in the worker's
-    process (segfaults deserializing, compiling and, once, during the tokenizer test after training; an abort
-    serializing), never elsewhere and never reproduced alone. A crash here now fails the one test with its output."""
-    env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")
+    Each trainer runs in a fresh interpreter, so the executables it compiles (a training step, its evaluation, the
+    int4 model's) and their memory mappings are freed with it (conftest.free_executables_after_each_module says why
+    that matters); a crash there fails the one test with its output."""
     cmd = [sys.executable, "-m", f"checkpoints.{module}", *argv]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert run.returncode == 0, f"{' '.join(cmd)} exited {run.returncode}:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
     out = argv[argv.index("--out") + 1]
     with open(os.path.join(out, "metrics.json")) as f:
