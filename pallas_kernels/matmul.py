@@ -23,6 +23,7 @@ The jnp reference product takes `Int4Codes` too, with the bits of the `Int4Weigh
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -72,29 +73,40 @@ def linear(x: jax.Array, w: Weight, bias: jax.Array | None = None, *, out_dtype=
     return y.astype(out_dtype)
 
 
-@jax.custom_batching.custom_vmap
 def _row_tiles(x: jax.Array, w: Weight) -> jax.Array:
     """`rows_matmul`, and under `jax.vmap` (a batch of sequences, each with its rows: jspec.batch) one row-tile
     product over all their rows: x [B, M, K] is flattened to B * M rows and cut into tiles of ROW_TILE
     (`tiles_matmul`), so the weights are read once per tile (or per launch of several tiles), not once per
     sequence. Row r's result is the same bits wherever it sits in a tile (rule 1), so no sequence's rows depend on
     another's (docs/design.md, rule 9)."""
-    return rows_matmul(x, w)
+    return _row_tiles_under(_backend.get_backend())(x, w)
 
 
-@_row_tiles.def_vmap
-def _row_tiles_vmap(axis_size: int, in_batched, x: jax.Array, w: Weight):
-    x_batched, w_batched = in_batched
-    if any(jax.tree.leaves(w_batched)):
-        raise ValueError("linear: the weight is batched under vmap; the row-tile path batches rows, never weights")
-    if not x_batched:
-        return _row_tiles(x, w), False
-    b, m, k = x.shape
-    flat = x.reshape(b * m, k)
-    if b * m > _backend.ROW_TILE:  # the tiles slice a materialized array: XLA fuses none of them with x's producer
-        flat = jax.lax.optimization_barrier(flat)  # (rule 7)
-    y = tiles_matmul(flat, w)
-    return y.reshape(b, m, y.shape[-1]), True
+@functools.cache
+def _row_tiles_under(name: str):
+    """`_row_tiles` under kernel backend `name`, one custom_vmap function per backend: JAX (0.11) caches a
+    custom_vmap body's trace by the function and its input types, so one function for every backend would reuse
+    the trace of the first backend it ran under after a switch (`backend.use_backend`), silently."""
+
+    @jax.custom_batching.custom_vmap
+    def row_tiles(x, w):
+        return rows_matmul(x, w)
+
+    @row_tiles.def_vmap
+    def _(axis_size: int, in_batched, x: jax.Array, w: Weight):
+        x_batched, w_batched = in_batched
+        if any(jax.tree.leaves(w_batched)):
+            raise ValueError("linear: the weight is batched under vmap; the row-tile path batches rows, never weights")
+        if not x_batched:
+            return row_tiles(x, w), False
+        b, m, k = x.shape
+        flat = x.reshape(b * m, k)
+        if b * m > _backend.ROW_TILE:  # the tiles slice a materialized array: XLA fuses none with x's producer
+            flat = jax.lax.optimization_barrier(flat)  # (rule 7)
+        y = tiles_matmul(flat, w)
+        return y.reshape(b, m, y.shape[-1]), True
+
+    return row_tiles
 
 
 def tiles_matmul(x: jax.Array, w: Weight) -> jax.Array:
