@@ -4,7 +4,10 @@ section at 98a05e7: verify(3) rows 1-3 not the decode steps' bits; k = 1 and 2 e
 Each variant builds the steps section's executables (decode, verify(k), commit; random int4 weights, a random state
 at position 384, `jspec_bench.steps._bitwise_check`) in one process, JAX's caches cleared between variants:
 - head: the code as it is, twice (a nondeterministic kernel would disagree with itself);
-- stream_k_wide: `int4_ws.config_for` as before c75d3f7 (256-row tiles on the stream-K grid of one CTA per SM).
+- stream_k_wide: `int4_ws.config_for` as before c75d3f7 (256-row tiles on the stream-K grid of one CTA per SM);
+- no_excess_precision: the code as it is, compiled with XLA's xla_allow_excess_precision off (on, its default, XLA
+  may drop an f32 -> bf16 -> f32 round trip inside a fusion: a verify row reading an earlier row's fresh conv input
+  would then see it unrounded, where a decode step reads it rounded from the cache).
 
     python3 benchmarks/experiments/hybrid_verify_bits.py --commit <sha> --out $OUT/hybrid_verify_bits_h200.json
 """
@@ -51,11 +54,11 @@ def variant(name: str):
         int4_ws.config_for = shipped
 
 
-def check(params, cfg, ks) -> dict:
+def check(params, cfg, ks, extra_options: dict) -> dict:
     base = random_state(cfg, CONTEXT + 2 * ROW_TILE, CONTEXT, params["embed"].dtype, 1)
     rng = np.random.default_rng(2)
     drafts = {k: rng.integers(0, cfg.vocab_size, (k,)).astype(np.int32) for k in ks}
-    options = compiler_options()
+    options = (compiler_options() or {}) | extra_options
     jit = functools.partial(jax.jit, donate_argnums=1)
     execs = {"decode": jit(functools.partial(_decode, cfg=cfg)).lower(params, base).compile(compiler_options=options)}
     for k in ks:
@@ -71,7 +74,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", required=True)
     ap.add_argument("--model", default="qwen3.5")
-    ap.add_argument("--variants", default="head,head,stream_k_wide")
+    ap.add_argument("--variants", default="head,head,stream_k_wide,no_excess_precision")
+    ap.add_argument("--ks", default="2,3")
     args = ap.parse_args()
     cfg = model_config(args.model, False)
     raw = random_int4_params(cfg, 0, True)
@@ -80,7 +84,8 @@ def main() -> None:
     result = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "commit": args.commit, "runs": []}
     for name in args.variants.split(","):
         with variant(name):
-            out = check(params, cfg, (2, 3))
+            extra = {"xla_allow_excess_precision": False} if name == "no_excess_precision" else {}
+            out = check(params, cfg, tuple(int(k) for k in args.ks.split(",")), extra)
         result["runs"].append({"variant": name, "verify": out})
         print(name, json.dumps(out), flush=True)
         with open(args.out, "w") as f:
