@@ -1,13 +1,18 @@
-"""Which change made the Qwen3.5 text shape's verify(k) rows differ from its decode rows on the H200 (the steps
-section at 98a05e7: verify(3) rows 1-3 not the decode steps' bits; k = 1 and 2 equal; at c11de42 all equal).
+"""Why one CTA per 256-row int4 tile (adopted in c75d3f7, reverted in fc3e0b8) made the Qwen3.5 text shape's verify
+rows differ from its decode rows on the H200: verify(2) row 2 and verify(3) rows 1-3 not the decode steps' bits,
+twice alike, where the stream-K partition gave equal rows (experiments/results/hybrid_verify_bits_h200.json, run at
+f7ad4ce when one CTA per tile was the code, so its "head" is `tile_per_cta` below and "stream_k_wide" `shipped`).
+Row 0 always agrees; the rows that differ read earlier rows' fresh values in the same call.
 
 Each variant builds the steps section's executables (decode, verify(k), commit; random int4 weights, a random state
-at position 384, `jspec_bench.steps._bitwise_check`) in one process, JAX's caches cleared between variants:
-- head: the code as it is, twice (a nondeterministic kernel would disagree with itself);
-- stream_k_wide: `int4_ws.config_for` as before c75d3f7 (256-row tiles on the stream-K grid of one CTA per SM);
-- no_excess_precision: the code as it is, compiled with XLA's xla_allow_excess_precision off (on, its default, XLA
-  may drop an f32 -> bf16 -> f32 round trip inside a fusion: a verify row reading an earlier row's fresh conv input
-  would then see it unrounded, where a decode step reads it rounded from the cache).
+at position 384, `jspec_bench.steps._bitwise_check`) in one process, JAX's caches cleared between variants. A
+variant is a partition, optionally `+` a change:
+- partitions: `shipped` (256-row tiles on the stream-K grid), `tile_per_cta` (256-row tiles, one CTA each);
+- `+no_excess_precision`: compiled with XLA's xla_allow_excess_precision off (on, its default, XLA may drop an
+  f32 -> bf16 -> f32 round trip inside a fusion: a verify row reading an earlier row's fresh conv input would then
+  see it unrounded, where a decode step reads it rounded from the cache);
+- `+conv_rounded`: the Gated DeltaNet conv's inputs rounded explicitly to the activation dtype
+  (`lax.reduce_precision`, which XLA keeps whatever its precision setting), the candidate fix if the above is why.
 
     python3 benchmarks/experiments/hybrid_verify_bits.py --commit <sha> --out $OUT/hybrid_verify_bits_h200.json
 """
@@ -30,6 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jspec.engine import compiler_options  # noqa: E402
+from jspec.models import hybrid  # noqa: E402
 from jspec.steps import commit  # noqa: E402
 from jspec_bench.shapes import model_config, random_int4_params, random_state  # noqa: E402
 from jspec_bench.steps import _bitwise_check, _decode, _verify  # noqa: E402
@@ -39,19 +45,36 @@ from pallas_kernels.prepare import prepare_params  # noqa: E402
 CONTEXT = 384
 
 
+SHIPPED_CONV = hybrid.causal_conv
+
+
+def rounded_conv(window, x, weight):
+    """`recurrent.causal_conv` on x's float32 copy rounded to x's dtype by `lax.reduce_precision`, so every tap reads
+    the rounded input however XLA fuses the converts (the windows it returns are float32 holding those values; the
+    cache stores them back in x's dtype exactly)."""
+    info = jnp.finfo(x.dtype)
+    return SHIPPED_CONV(window, jax.lax.reduce_precision(x.astype(jnp.float32), info.nexp, info.nmant), weight)
+
+
 @contextlib.contextmanager
 def variant(name: str):
+    """While active, the variant's partition and change (see the module docstring); yields its extra XLA options."""
+    partition, _, change = name.partition("+")
     shipped = int4_ws.config_for
 
-    def stream_k(k: int, n: int) -> int4_ws.Config:
-        return dataclasses.replace(shipped(k, n), ctas=None)
+    def per_tile(k: int, n: int) -> int4_ws.Config:
+        cfg = shipped(k, n)
+        return cfg if cfg.wg_rows == int4_ws.Config().wg_rows else dataclasses.replace(cfg, ctas=n // cfg.tile_rows)
 
+    if partition not in ("shipped", "tile_per_cta") or change not in ("", "no_excess_precision", "conv_rounded"):
+        raise ValueError(f"unknown variant {name!r}")
     jax.clear_caches()
-    int4_ws.config_for = stream_k if name == "stream_k_wide" else shipped
+    int4_ws.config_for = per_tile if partition == "tile_per_cta" else shipped
+    hybrid.causal_conv = rounded_conv if change == "conv_rounded" else SHIPPED_CONV
     try:
-        yield
+        yield {"xla_allow_excess_precision": False} if change == "no_excess_precision" else {}
     finally:
-        int4_ws.config_for = shipped
+        int4_ws.config_for, hybrid.causal_conv = shipped, SHIPPED_CONV
 
 
 def check(params, cfg, ks, extra_options: dict) -> dict:
@@ -74,7 +97,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", required=True)
     ap.add_argument("--model", default="qwen3.5")
-    ap.add_argument("--variants", default="head,head,stream_k_wide,no_excess_precision")
+    ap.add_argument(
+        "--variants", default="tile_per_cta,shipped,tile_per_cta+no_excess_precision,tile_per_cta+conv_rounded"
+    )
     ap.add_argument("--ks", default="2,3")
     args = ap.parse_args()
     cfg = model_config(args.model, False)
@@ -83,8 +108,7 @@ def main() -> None:
     del raw
     result = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "commit": args.commit, "runs": []}
     for name in args.variants.split(","):
-        with variant(name):
-            extra = {"xla_allow_excess_precision": False} if name == "no_excess_precision" else {}
+        with variant(name) as extra:
             out = check(params, cfg, tuple(int(k) for k in args.ks.split(",")), extra)
         result["runs"].append({"variant": name, "verify": out})
         print(name, json.dumps(out), flush=True)
