@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import functools
 import json
 import os
 import sys
@@ -33,13 +31,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from int4_tile_per_cta_e2e import partition  # noqa: E402  (a script here: its directory is sys.path[0])
 
 from jspec.engine import compiler_options  # noqa: E402
 from jspec.models import hybrid  # noqa: E402
-from jspec.steps import commit  # noqa: E402
 from jspec_bench.shapes import model_config, random_int4_params, random_state  # noqa: E402
-from jspec_bench.steps import _bitwise_check, _decode, _verify  # noqa: E402
-from pallas_kernels import ROW_TILE, get_backend, int4_ws  # noqa: E402
+from jspec_bench.steps import _bitwise_check, lower_steps  # noqa: E402
+from pallas_kernels import ROW_TILE, get_backend  # noqa: E402
 from pallas_kernels.prepare import prepare_params  # noqa: E402
 
 CONTEXT = 384
@@ -58,37 +56,26 @@ def rounded_conv(window, x, weight):
 
 @contextlib.contextmanager
 def variant(name: str):
-    """While active, the variant's partition and change (see the module docstring); yields its extra XLA options."""
-    partition, _, change = name.partition("+")
-    shipped = int4_ws.config_for
-
-    def per_tile(k: int, n: int) -> int4_ws.Config:
-        cfg = shipped(k, n)
-        return cfg if cfg.wg_rows == int4_ws.Config().wg_rows else dataclasses.replace(cfg, ctas=n // cfg.tile_rows)
-
-    if partition not in ("shipped", "tile_per_cta") or change not in ("", "no_excess_precision", "conv_rounded"):
+    """While active, the variant's partition (`int4_tile_per_cta_e2e.partition`, which clears JAX's caches) and
+    change (see the module docstring); yields its extra XLA options."""
+    part, _, change = name.partition("+")
+    if part not in ("shipped", "tile_per_cta") or change not in ("", "no_excess_precision", "conv_rounded"):
         raise ValueError(f"unknown variant {name!r}")
-    jax.clear_caches()
-    int4_ws.config_for = per_tile if partition == "tile_per_cta" else shipped
-    hybrid.causal_conv = rounded_conv if change == "conv_rounded" else SHIPPED_CONV
-    try:
-        yield {"xla_allow_excess_precision": False} if change == "no_excess_precision" else {}
-    finally:
-        int4_ws.config_for, hybrid.causal_conv = shipped, SHIPPED_CONV
+    with partition(part):
+        hybrid.causal_conv = rounded_conv if change == "conv_rounded" else SHIPPED_CONV
+        try:
+            yield {"xla_allow_excess_precision": False} if change == "no_excess_precision" else {}
+        finally:
+            hybrid.causal_conv = SHIPPED_CONV
 
 
 def check(params, cfg, ks, extra_options: dict) -> dict:
+    """`_bitwise_check` of verify(k) for each k, the steps compiled as an Engine compiles them plus extra_options."""
     base = random_state(cfg, CONTEXT + 2 * ROW_TILE, CONTEXT, params["embed"].dtype, 1)
     rng = np.random.default_rng(2)
     drafts = {k: rng.integers(0, cfg.vocab_size, (k,)).astype(np.int32) for k in ks}
     options = (compiler_options() or {}) | extra_options
-    jit = functools.partial(jax.jit, donate_argnums=1)
-    execs = {"decode": jit(functools.partial(_decode, cfg=cfg)).lower(params, base).compile(compiler_options=options)}
-    for k in ks:
-        low = jit(functools.partial(_verify, cfg=cfg)).lower(params, base, jnp.asarray(drafts[k]))
-        execs[f"verify{k}"] = low.compile(compiler_options=options)
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    execs["commit"] = jax.jit(commit, donate_argnums=0).lower(base, scalar, scalar).compile(compiler_options=options)
+    execs = {key: low.compile(compiler_options=options) for key, low in lower_steps(params, cfg, base, drafts).items()}
     return {str(k): _bitwise_check(params, execs, k, base, drafts[k]) for k in ks}
 
 

@@ -42,6 +42,18 @@ def _verify(params, state, draft, *, cfg):
     return verify_step(params, cfg, state, draft)
 
 
+def lower_steps(params: dict, cfg: ModelConfig, base, drafts: dict[int, np.ndarray]) -> dict:
+    """The steps a bitwise check needs, lowered with the state donated: "decode", "verify{k}" for each draft's k,
+    and "commit" (`_bitwise_check`'s keys)."""
+    lowered = {"decode": jax.jit(functools.partial(_decode, cfg=cfg), donate_argnums=1).lower(params, base)}
+    for k, draft in drafts.items():
+        fn = jax.jit(functools.partial(_verify, cfg=cfg), donate_argnums=1)
+        lowered[f"verify{k}"] = fn.lower(params, base, jnp.asarray(draft))
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    lowered["commit"] = jax.jit(commit, donate_argnums=0).lower(base, scalar, scalar)
+    return lowered
+
+
 def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: tuple[int, ...], entry: dict) -> None:
     """decode_step and verify_step(k) costs of one model at position opts.context, and the bitwise check; with
     prepared int4 weights (--prepare) also the decode step on the weights as loaded, for the ratio."""
@@ -55,12 +67,7 @@ def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: t
     rng = np.random.default_rng(opts.seed + 2)
     drafts = {k: rng.integers(0, cfg.vocab_size, (k,)).astype(np.int32) for k in ks}
     t0 = time.perf_counter()
-    lowered = {"decode": jax.jit(functools.partial(_decode, cfg=cfg), donate_argnums=1).lower(params, base)}
-    for k in ks:
-        fn = jax.jit(functools.partial(_verify, cfg=cfg), donate_argnums=1)
-        lowered[f"verify{k}"] = fn.lower(params, base, jnp.asarray(drafts[k]))
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    lowered["commit"] = jax.jit(commit, donate_argnums=0).lower(base, scalar, scalar)
+    lowered = lower_steps(params, cfg, base, drafts)
     if prepared:
         lowered["decode_unprepared"] = jax.jit(functools.partial(_decode, cfg=cfg), donate_argnums=1).lower(raw, base)
     entry["lower_s"] = time.perf_counter() - t0
