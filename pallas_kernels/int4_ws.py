@@ -211,17 +211,21 @@ WIDE_MIN_STEPS = 24
 
 def config_for(k: int, n: int) -> Config:
     """The Config `rows_matmul` uses for a [K (stored), N] weight, a function of the shape only: 256-row tiles (two
-    warpgroups of 128 rows: one x tile and one pipeline step per 36 KB of weights instead of 18) where they fit N
-    and the default 128-row tiles give each CTA at least WIDE_MIN_STEPS steps; else the default. Kernel alone on
-    the H200 (docs/kernels.md) a 256-row step costs ~0.93x two 128-row steps, and the wider
-    stream-K units add at most one 128-row step's worth per CTA, so from 24 steps on they win: 1.5-10% faster on
+    warpgroups of 128 rows: one x tile and one pipeline step per 36 KB of weights instead of 18), one CTA per tile,
+    where they fit N and the default 128-row tiles give each CTA at least WIDE_MIN_STEPS steps; else the default.
+    Kernel alone on the H200 (docs/kernels.md) a 256-row step costs ~0.93x two 128-row steps: 1.5-10% faster on
     every lm_head and gate_up of the bench shapes; 7-33% slower on their qkv, o and down (4-17 steps per CTA),
-    where the wider tiles' longer ramp and coarser units cost more than the steps save. One CTA per 256-row tile
-    (no partials) was faster at 64 rows (greedy B = 64 +3.2%) but, compiled into the Qwen3.5 text shape's steps,
-    verify rows 1-3 lost the decode rows' bits (experiments/results/hybrid_verify_bits_h200.json): not adopted."""
+    where the wider tiles' longer ramp and coarser units cost more than the steps save. One CTA per tile (no
+    stream-K partials to sum; several waves of CTAs) rather than one per SM: the Llama-3-8B gate_up 35.1 against
+    40.2 us at 64 rows, the lm_head 140.8 against 155.5 (experiments/results/int4_64rows_h200.json); in the whole
+    generation, greedy B = 64 +3.2% tokens/s, B = 1 unchanged (int4_tile_per_cta_e2e_h200.json). Another partition
+    moves XLA's fusion choices around the kernels: it exposed the Gated DeltaNet conv's unrounded reads, fixed by
+    `recurrent.stored_values` (experiments/results/hybrid_verify_bits_fix_h200.json)."""
     narrow = Config()
     wide = dataclasses.replace(narrow, wg_rows=2 * narrow.wg_rows)
-    return wide if fits(k, n, wide) and partition(k, n, narrow).per_cta >= WIDE_MIN_STEPS else narrow
+    if not (fits(k, n, wide) and partition(k, n, narrow).per_cta >= WIDE_MIN_STEPS):
+        return narrow
+    return dataclasses.replace(wide, ctas=n // wide.tile_rows)
 
 
 def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> jax.Array:

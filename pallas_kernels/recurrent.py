@@ -37,15 +37,28 @@ def l2_normalize(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
+def stored_values(x: jax.Array, dtype) -> jax.Array:
+    """float32 [...]: x's values rounded to `dtype`, the values a `dtype` buffer would hold, whatever XLA fuses.
+
+    `x.astype(dtype).astype(float32)` does not promise that: with xla_allow_excess_precision on (XLA's default) the
+    GPU compiler's SimplifyFPConversions removes f32 -> bf16 -> f32 convert pairs, depending on the whole graph.
+    `lax.reduce_precision` is removed only where it is a no-op. docs/design.md, rule 7.
+    """
+    info = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(x.astype(jnp.float32), info.nexp, info.nmant)
+
+
 def causal_conv(window: jax.Array, x: jax.Array, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Depthwise causal conv1d + SiLU over new inputs x [T, C] preceded by the window [W-1, C] of earlier inputs.
 
     weight [W, C] (tap W-1 multiplies the current input). Returns (float32 [T, C], seq [W-1+T, C] = window ++ x in
-    x.dtype, from which `conv_window` reads later windows). Taps are summed in float32 in a fixed order.
+    x.dtype, from which `conv_window` reads later windows). Taps are summed in float32 in a fixed order, over the
+    inputs' `stored_values`: a verify row reads an earlier row's fresh input exactly as the decode step at its
+    position reads it from the cached window.
     """
     width = weight.shape[0]
     seq = jnp.concatenate([window.astype(x.dtype), x], axis=0)
-    seqf, wf = seq.astype(jnp.float32), weight.astype(jnp.float32)
+    seqf, wf = stored_values(seq, x.dtype), weight.astype(jnp.float32)
     t = x.shape[0]
     acc = seqf[0:t] * wf[0]
     for j in range(1, width):

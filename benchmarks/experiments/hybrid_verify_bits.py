@@ -1,18 +1,20 @@
 """Why one CTA per 256-row int4 tile (adopted in c75d3f7, reverted in fc3e0b8) made the Qwen3.5 text shape's verify
-rows differ from its decode rows on the H200: verify(2) row 2 and verify(3) rows 1-3 not the decode steps' bits,
-twice alike, where the stream-K partition gave equal rows (experiments/results/hybrid_verify_bits_h200.json, run at
-f7ad4ce when one CTA per tile was the code, so its "head" is `tile_per_cta` below and "stream_k_wide" `shipped`).
-Row 0 always agrees; the rows that differ read earlier rows' fresh values in the same call.
+rows differ from its decode rows on the H200 — verify(2) row 2 and verify(3) rows 1-3 not the decode steps' bits,
+twice alike, where the stream-K partition gave equal rows — and the fix that let it be re-adopted.
 
 Each variant builds the steps section's executables (decode, verify(k), commit; random int4 weights, a random state
 at position 384, `jspec_bench.steps._bitwise_check`) in one process, JAX's caches cleared between variants. A
-variant is a partition, optionally `+` a change:
-- partitions: `shipped` (256-row tiles on the stream-K grid), `tile_per_cta` (256-row tiles, one CTA each);
-- `+no_excess_precision`: compiled with XLA's xla_allow_excess_precision off (on, its default, XLA may drop an
-  f32 -> bf16 -> f32 round trip inside a fusion: a verify row reading an earlier row's fresh conv input would then
-  see it unrounded, where a decode step reads it rounded from the cache);
-- `+conv_rounded`: the Gated DeltaNet conv's inputs rounded explicitly to the activation dtype
-  (`lax.reduce_precision`, which XLA keeps whatever its precision setting), the candidate fix if the above is why.
+variant is a partition of the 256-row tiles (`int4_tile_per_cta_e2e.partition`: `tile_per_cta` or `stream_k`),
+optionally `+` changes:
+- `+unrounded`: the Gated DeltaNet conv reads its inputs as `x.astype(dtype).astype(float32)` (the code before
+  `recurrent.stored_values`): with xla_allow_excess_precision on (XLA's default) XLA may drop that f32 -> bf16 ->
+  f32 round trip, so a verify row reads an earlier row's fresh conv input unrounded where a decode step reads it
+  rounded from the cached window;
+- `+no_excess_precision`: compiled with xla_allow_excess_precision off.
+
+Runs: experiments/results/hybrid_verify_bits_h200.json (f7ad4ce: its "head" was tile_per_cta unrounded, its
+"stream_k_wide" stream_k unrounded); hybrid_verify_bits_fix_h200.json (cb7cd5c, before the fix shipped: its
+"shipped" was stream_k unrounded, "tile_per_cta" tile_per_cta unrounded, "+conv_rounded" the fix).
 
     python3 benchmarks/experiments/hybrid_verify_bits.py --commit <sha> --out $OUT/hybrid_verify_bits_h200.json
 """
@@ -37,36 +39,39 @@ from jspec.engine import compiler_options  # noqa: E402
 from jspec.models import hybrid  # noqa: E402
 from jspec_bench.shapes import model_config, random_int4_params, random_state  # noqa: E402
 from jspec_bench.steps import _bitwise_check, lower_steps  # noqa: E402
-from pallas_kernels import ROW_TILE, get_backend  # noqa: E402
+from pallas_kernels import ROW_TILE, get_backend, recurrent  # noqa: E402
 from pallas_kernels.prepare import prepare_params  # noqa: E402
 
 CONTEXT = 384
 
 
-SHIPPED_CONV = hybrid.causal_conv
-
-
-def rounded_conv(window, x, weight):
-    """`recurrent.causal_conv` on x's float32 copy rounded to x's dtype by `lax.reduce_precision`, so every tap reads
-    the rounded input however XLA fuses the converts (the windows it returns are float32 holding those values; the
-    cache stores them back in x's dtype exactly)."""
-    info = jnp.finfo(x.dtype)
-    return SHIPPED_CONV(window, jax.lax.reduce_precision(x.astype(jnp.float32), info.nexp, info.nmant), weight)
+def unrounded(x, dtype):
+    """`recurrent.stored_values` as the code read it before: a convert pair XLA may remove."""
+    return x.astype(dtype).astype(jnp.float32)
 
 
 @contextlib.contextmanager
 def variant(name: str):
-    """While active, the variant's partition (`int4_tile_per_cta_e2e.partition`, which clears JAX's caches) and
-    change (see the module docstring); yields its extra XLA options."""
-    part, _, change = name.partition("+")
-    if part not in ("shipped", "tile_per_cta") or change not in ("", "no_excess_precision", "conv_rounded"):
+    """While active, the variant's partition (which clears JAX's caches) and changes (see the module docstring);
+    yields its extra XLA options."""
+    part, *changes = name.split("+")
+    if not set(changes) <= {"unrounded", "no_excess_precision"}:
         raise ValueError(f"unknown variant {name!r}")
-    with partition(part):
-        hybrid.causal_conv = rounded_conv if change == "conv_rounded" else SHIPPED_CONV
-        try:
-            yield {"xla_allow_excess_precision": False} if change == "no_excess_precision" else {}
-        finally:
-            hybrid.causal_conv = SHIPPED_CONV
+    with partition(part), contextlib.ExitStack() as stack:
+        if "unrounded" in changes:
+            for module in (recurrent, hybrid):
+                stack.enter_context(patched(module, "stored_values", unrounded))
+        yield {"xla_allow_excess_precision": False} if "no_excess_precision" in changes else {}
+
+
+@contextlib.contextmanager
+def patched(module, name: str, value):
+    shipped = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, shipped)
 
 
 def check(params, cfg, ks, extra_options: dict) -> dict:
@@ -85,7 +90,8 @@ def main() -> None:
     ap.add_argument("--commit", required=True)
     ap.add_argument("--model", default="qwen3.5")
     ap.add_argument(
-        "--variants", default="tile_per_cta,shipped,tile_per_cta+no_excess_precision,tile_per_cta+conv_rounded"
+        "--variants",
+        default="tile_per_cta,stream_k,tile_per_cta+unrounded,stream_k+unrounded,tile_per_cta+unrounded+no_excess_precision",
     )
     ap.add_argument("--ks", default="2,3")
     args = ap.parse_args()

@@ -6,10 +6,11 @@ Why: alone, such a product ran faster with one CTA per tile (no stream-K partial
 (experiments/results/int4_64rows_h200.json: gate_up 35.1 against 40.2 us at 64 rows, 23.8 against 26.8 at 16; the
 lm_head 140.8 against 155.5 at 64 rows), while qkv, o and down (32-48 tiles on 132 SMs) ran slower. A product's
 own kernel time counts the partials' sum, which XLA fuses into the consumer inside a step, so only the step says
-whether the gain survives. `tile_per_cta` patches `int4_ws.config_for` while each engine compiles: a 256-row config
-gets `ctas` = its tiles (another partition, so other bits than the shipped one; rows stay exact by construction).
-Identity: prompt lookup's tokens against greedy's under each partition; the batch's first sequence against itself
-run alone in the engine.
+whether the gain survives. `partition` patches `int4_ws.config_for` while each engine compiles: a 256-row config
+gets `ctas` = its tiles (`tile_per_cta`, shipped since it was re-adopted) or the default stream-K grid
+(`stream_k`, shipped before; the run at d340a17 called it "shipped"). Another partition gives other bits; rows
+stay exact by construction. Identity: prompt lookup's tokens against greedy's under each partition; the batch's
+first sequence against itself run alone in the engine.
 
     python3 benchmarks/experiments/int4_tile_per_cta_e2e.py --out $OUT/int4_tile_per_cta_e2e_h200.json --commit <sha>
 """
@@ -38,24 +39,26 @@ NEW, PROMPT = 64, 320
 
 @contextlib.contextmanager
 def partition(variant: str):
-    """While active, `int4_ws.config_for` as `variant` runs it: "shipped", or "tile_per_cta" (256-row configs get
-    one CTA per weight tile). JAX's tracing caches are cleared first, so no jaxpr traced under the other variant is
-    reused. Yields the (K, N) of every config the patch changed, so a caller can check its engines were traced
-    under it."""
+    """While active, `int4_ws.config_for` gives its 256-row configs the `variant` partition: "tile_per_cta" (one CTA
+    per weight tile) or "stream_k" (the default grid, one CTA per SM). JAX's tracing caches are cleared first, so
+    no jaxpr traced under another variant is reused. Yields the (K, N) of every 256-row config the patch set, so a
+    caller can check its engines were traced under it."""
+    if variant not in ("tile_per_cta", "stream_k"):
+        raise ValueError(f"unknown partition {variant!r}")
     shipped = int4_ws.config_for
-    changed = []
+    patched = []
 
-    def per_tile(k: int, n: int) -> int4_ws.Config:
+    def partitioned(k: int, n: int) -> int4_ws.Config:
         cfg = shipped(k, n)
         if cfg.wg_rows == int4_ws.Config().wg_rows:
             return cfg
-        changed.append((k, n))
-        return dataclasses.replace(cfg, ctas=n // cfg.tile_rows)
+        patched.append((k, n))
+        return dataclasses.replace(cfg, ctas=n // cfg.tile_rows if variant == "tile_per_cta" else None)
 
     jax.clear_caches()
-    int4_ws.config_for = per_tile if variant == "tile_per_cta" else shipped
+    int4_ws.config_for = partitioned
     try:
-        yield changed
+        yield patched
     finally:
         int4_ws.config_for = shipped
 
@@ -68,15 +71,15 @@ def run(variant: str, params, cfg, prompts: list, batch: int) -> dict:
     """Greedy tokens/s at B = 1 and B = `batch`, the engines compiled under `variant`'s partition."""
     max_len = PROMPT + NEW + 16
     out = {}
-    with partition(variant) as changed:
+    with partition(variant) as patched:
         single = Engine(params, cfg, max_len=max_len, k=7)
         greedy = single.generate(prompts[0], NEW, eos_id=())  # compiles
         lookup = single.generate(prompts[0], NEW, drafter=PromptLookup(), eos_id=())
         wide = Engine(params, cfg, max_len=max_len, k=7, batch_size=batch)
         wide.generate_batch(prompts[:batch], NEW, eos_id=())  # compiles
-    if variant == "tile_per_cta" and jax.default_backend() == "gpu" and not changed:
-        raise RuntimeError("tile_per_cta: no int4 product was traced under the patch (a cached trace was reused)")
-    out["patched_products"] = sorted(set(changed))
+    if jax.default_backend() == "gpu" and not patched:
+        raise RuntimeError(f"{variant}: no int4 product was traced under the patch (a cached trace was reused)")
+    out["patched_products"] = sorted(set(patched))
     rates = [decode_rate(single.generate(prompts[0], NEW, eos_id=()).stats) for _ in range(3)]
     out["b1"] = {"decode_tok_s": float(np.median(rates)), "runs": rates}
     out["b1"]["lookup_identical"] = lookup.tokens == greedy.tokens
@@ -94,7 +97,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", required=True)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--variants", default="shipped,tile_per_cta")
+    ap.add_argument("--variants", default="stream_k,tile_per_cta")
     args = ap.parse_args()
     cfg = model_config("llama-3-8b", False)
     params = random_int4_params(cfg, 0, True)

@@ -37,7 +37,14 @@ from jspec.models.layers import (
     swiglu_mlp,
 )
 from pallas_kernels import ROW_TILE, linear
-from pallas_kernels.recurrent import causal_conv, chunk_gated_delta, conv_window, gdn_rows, l2_normalize
+from pallas_kernels.recurrent import (
+    causal_conv,
+    chunk_gated_delta,
+    conv_window,
+    gdn_rows,
+    l2_normalize,
+    stored_values,
+)
 
 FULL, LINEAR = "full_attention", "linear_attention"
 
@@ -114,7 +121,7 @@ def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, run: Run):
     else:
         window, state = cache["conv"][run.slot], None
     conv, seq = causal_conv(window, mixed, p["conv"])
-    q, k, v = jnp.split(conv.astype(dtype).astype(jnp.float32), [key_dim, 2 * key_dim], axis=-1)
+    q, k, v = jnp.split(stored_values(conv, dtype), [key_dim, 2 * key_dim], axis=-1)
     group = nv // nk
     q = jnp.repeat(l2_normalize(q.reshape(t, nk, dk)) * dk**-0.5, group, axis=1)
     k = jnp.repeat(l2_normalize(k.reshape(t, nk, dk)), group, axis=1)
