@@ -14,7 +14,11 @@ optionally `+` changes:
 
 Runs: experiments/results/hybrid_verify_bits_h200.json (f7ad4ce: its "head" was tile_per_cta unrounded, its
 "stream_k_wide" stream_k unrounded); hybrid_verify_bits_fix_h200.json (cb7cd5c, before the fix shipped: its
-"shipped" was stream_k unrounded, "tile_per_cta" tile_per_cta unrounded, "+conv_rounded" the fix).
+"shipped" was stream_k unrounded, "tile_per_cta" tile_per_cta unrounded, "+conv_rounded" the input rounding);
+hybrid_verify_bits_output_rounded_h200.json (3f1c7d7: the conv's output rounded by `stored_values` too, no barrier
+after the conv: every row of verify(2) and verify(3) differs, row 0 included; with "+unrounded" only the rows reading
+earlier rows' inputs, as before). Since then an optimization barrier after the conv keeps the row-count-dependent
+window writes from changing how XLA fuses the conv (docs/design.md, rule 7).
 
     python3 benchmarks/experiments/hybrid_verify_bits.py --commit <sha> --out $OUT/hybrid_verify_bits_h200.json
 """
