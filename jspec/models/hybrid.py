@@ -120,9 +120,10 @@ def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, run: Run):
         window, state = cache["conv"][0], cache["ssm"][0]
     else:
         window, state = cache["conv"][run.slot], None
+    conv, seq = causal_conv(window, mixed, p["conv"])
     # What follows differs between decode and verify (windows and post-states for run.rows rows); the barrier keeps
     # it from changing how XLA fuses the conv's arithmetic (docs/design.md, rule 7).
-    conv, seq = jax.lax.optimization_barrier(causal_conv(window, mixed, p["conv"]))
+    conv = jax.lax.optimization_barrier(conv)
     q, k, v = jnp.split(stored_values(conv, dtype), [key_dim, 2 * key_dim], axis=-1)
     group = nv // nk
     q = jnp.repeat(l2_normalize(q.reshape(t, nk, dk)) * dk**-0.5, group, axis=1)
