@@ -219,8 +219,8 @@ def config_for(k: int, n: int) -> Config:
     stream-K partials to sum; several waves of CTAs) rather than one per SM: the Llama-3-8B gate_up 35.1 against
     40.2 us at 64 rows, the lm_head 140.8 against 155.5 (experiments/results/int4_64rows_h200.json); in the whole
     generation, greedy B = 64 +3.2% tokens/s, B = 1 unchanged (int4_tile_per_cta_e2e_h200.json). Another partition
-    moves XLA's fusion choices around the kernels: it exposed the Gated DeltaNet conv's unrounded reads, fixed by
-    `recurrent.stored_values` (experiments/results/hybrid_verify_bits_fix_h200.json)."""
+    moves XLA's fusion choices around the kernels: it made the Qwen3.5 shape's verify rows differ from decode until
+    the Gated DeltaNet conv was fenced by a barrier (docs/kernels.md, hybrid_verify_bits_barrier_h200.json)."""
     narrow = Config()
     wide = dataclasses.replace(narrow, wg_rows=2 * narrow.wg_rows)
     if not (fits(k, n, wide) and partition(k, n, narrow).per_cta >= WIDE_MIN_STEPS):
