@@ -42,9 +42,12 @@ def stored_values(x: jax.Array, dtype) -> jax.Array:
 
     `x.astype(dtype).astype(float32)` does not promise that: with xla_allow_excess_precision on (XLA's default) the
     GPU compiler's SimplifyFPConversions removes f32 -> bf16 -> f32 convert pairs, depending on the whole graph.
-    `lax.reduce_precision` is removed only where it is a no-op. docs/design.md, rule 7.
+    `lax.reduce_precision` is removed only where it is a no-op. docs/design.md, rule 7. dtype: float32 or bfloat16
+    (float32's exponent range; reduce_precision does not round float16's subnormals as a convert does).
     """
     info = jnp.finfo(dtype)
+    if info.nexp != jnp.finfo(jnp.float32).nexp:
+        raise ValueError(f"stored_values takes float32 or bfloat16, got {jnp.dtype(dtype).name}")
     return jax.lax.reduce_precision(x.astype(jnp.float32), info.nexp, info.nmant)
 
 

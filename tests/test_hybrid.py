@@ -20,7 +20,7 @@ from jspec.loop import LoopSettings, decode_round, eos_array, prefill_round
 from jspec.models import hybrid, quantize_linears
 from jspec.state import init_state
 from pallas_kernels import ROW_TILE, Int4Weight, quantize, use_backend
-from pallas_kernels.recurrent import chunk_gated_delta, gdn_rows, gdn_step, l2_normalize
+from pallas_kernels.recurrent import chunk_gated_delta, gdn_rows, gdn_step, l2_normalize, stored_values
 from tests.conftest import TINY_HF_CONFIGS
 from tests.tiny import ScriptDrafter, tiny_config
 
@@ -165,6 +165,21 @@ def test_verify_rows_equal_decode(dtype, int4):
         _, logits = verify(params, state, draft[:k])
         for i in range(k + 1):
             assert np.array_equal(bits(logits[i]), bits(decoded[i])), f"{dtype} int4={int4} k={k} row {i}"
+
+
+def test_stored_values_hold_what_a_bfloat16_buffer_holds():
+    """`stored_values` (the conv's inputs, rounded so XLA cannot drop the rounding) gives the bits of a bfloat16
+    round trip over five decades, ties, zeros and infinities; float16, whose subnormals reduce_precision does not
+    round as a convert does, is refused."""
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(512).astype(np.float32) * s for s in (1e-30, 1e-3, 1.0, 1e3, 1e30)])
+    ties = ((0x3F00 + np.arange(256, dtype=np.uint32)) << 16 | 0x8000).view(np.float32)  # halfway between bfloat16s
+    x = np.concatenate([x, ties, np.array([0.0, -0.0, np.inf, -np.inf], np.float32)])
+    got = jax.jit(stored_values, static_argnums=1)(x, jnp.bfloat16)
+    want = jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32)
+    assert np.array_equal(bits(got), bits(want))
+    with pytest.raises(ValueError, match="stored_values takes float32 or bfloat16, got float16"):
+        stored_values(x, jnp.float16)
 
 
 def test_commit_selects_the_post_state():
