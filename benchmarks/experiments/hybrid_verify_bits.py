@@ -17,8 +17,10 @@ Runs: experiments/results/hybrid_verify_bits_h200.json (f7ad4ce: its "head" was 
 "shipped" was stream_k unrounded, "tile_per_cta" tile_per_cta unrounded, "+conv_rounded" the input rounding);
 hybrid_verify_bits_output_rounded_h200.json (3f1c7d7: the conv's output rounded by `stored_values` too, no barrier
 after the conv: every row of verify(2) and verify(3) differs, row 0 included; with "+unrounded" only the rows reading
-earlier rows' inputs, as before). Since then an optimization barrier after the conv keeps the row-count-dependent
-window writes from changing how XLA fuses the conv (docs/design.md, rule 7).
+earlier rows' inputs, as before); hybrid_verify_bits_barrier_h200.json (3b036bb: an optimization barrier on the conv's
+(output, seq): every row equal under both partitions, rounded or not). The shipped barrier (954f9db) is on the conv's
+output alone; it keeps the row-count-dependent window writes from changing how XLA fuses the conv (docs/design.md,
+rule 7).
 
     python3 benchmarks/experiments/hybrid_verify_bits.py --commit <sha> --out $OUT/hybrid_verify_bits_h200.json
 """
