@@ -121,9 +121,6 @@ def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, run: Run):
     else:
         window, state = cache["conv"][run.slot], None
     conv, seq = causal_conv(window, mixed, p["conv"])
-    # What follows differs between decode and verify (windows and post-states for run.rows rows); the barrier keeps
-    # it from changing how XLA fuses the conv's arithmetic (docs/design.md, rule 7).
-    conv = jax.lax.optimization_barrier(conv)
     q, k, v = jnp.split(stored_values(conv, dtype), [key_dim, 2 * key_dim], axis=-1)
     group = nv // nk
     q = jnp.repeat(l2_normalize(q.reshape(t, nk, dk)) * dk**-0.5, group, axis=1)
@@ -136,8 +133,10 @@ def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, run: Run):
         tile = [jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) for x in (q, k, v, g, beta)]
         ssm, out = gdn_rows(cache["ssm"], run.slot, *tile, run.rows)
         out = out[:t]
-        windows = jnp.stack([conv_window(seq, i + 1, width) for i in range(run.rows)])
-        cache = dict(conv=cache["conv"].at[: run.rows].set(windows), ssm=ssm)
+        # The window after every row of the tile, valid or not, so that nothing around the conv depends on the row
+        # count and XLA fuses it alike in decode and verify (docs/design.md, rule 7); commit selects a valid one.
+        windows = jnp.stack([conv_window(seq, i + 1, width) for i in range(t)])
+        cache = dict(conv=cache["conv"].at[:t].set(windows), ssm=ssm)
     else:
         if run.kind == PREFILL:
             real = (jnp.arange(t) < run.n_valid)[:, None]
