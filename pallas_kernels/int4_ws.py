@@ -207,6 +207,9 @@ def partition(k: int, n: int, cfg: Config) -> Partition:
 
 # Wide tiles (`config_for`): the fewest 128-row pipeline steps per CTA from which 256-row tiles pay on the H200.
 WIDE_MIN_STEPS = 24
+# One CTA per wide tile where the tiles fill their waves of SMs at least this much (Llama-3-8B gate_up 85%, lm_head
+# 95%: B = 64 +3.2% tokens/s, B = 1 unchanged); emptier waves cost a whole wave's time (`config_for`).
+WAVE_FILL_MIN = 0.8
 
 
 def config_for(k: int, n: int) -> Config:
@@ -220,12 +223,19 @@ def config_for(k: int, n: int) -> Config:
     40.2 us at 64 rows, the lm_head 140.8 against 155.5 (experiments/results/int4_64rows_h200.json); in the whole
     generation, greedy B = 64 +3.2% tokens/s, B = 1 unchanged (int4_tile_per_cta_e2e_h200.json). Another partition
     moves XLA's fusion choices around the kernels: it made the Qwen3.5 shape's verify rows differ from decode until
-    the Gated DeltaNet conv was fenced by a barrier (docs/kernels.md, hybrid_verify_bits_barrier_h200.json)."""
+    nothing around the Gated DeltaNet conv depended on the row count (docs/design.md, rule 7).
+    One CTA per tile only where the tiles fill their waves of SMs to WAVE_FILL_MIN; else the stream-K partition of
+    the wide tiles. A CTA streams about 1/SMs of the memory bandwidth, so a wave part empty runs as long as a full
+    one: the 27B-class hybrid's gate_up (136 tiles: 2 waves, 52% full) doubled its time, the decode step's int4
+    kernels 5.08 -> 6.39 ms (bench_hybrid_27b_all_windows_h200.json); the Qwen3.5 gate_up (96 tiles, 73%) cost 0.08
+    ms a step."""
     narrow = Config()
     wide = dataclasses.replace(narrow, wg_rows=2 * narrow.wg_rows)
     if not (fits(k, n, wide) and partition(k, n, narrow).per_cta >= WIDE_MIN_STEPS):
         return narrow
-    return dataclasses.replace(wide, ctas=n // wide.tile_rows)
+    tiles = n // wide.tile_rows
+    waves = -(-tiles // sm_count())
+    return dataclasses.replace(wide, ctas=tiles) if tiles >= WAVE_FILL_MIN * waves * sm_count() else wide
 
 
 def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> jax.Array:

@@ -162,25 +162,29 @@ def test_stream_k_partition_covers_every_unit_once_in_numbered_segments(k, n, ct
 
 
 @pytest.mark.parametrize(
-    "k,n,wide",
+    "k,n,wide,tile_per_cta",
     [
-        (4096, 28672, True),  # Llama-3-8B gate_up: 28 steps per CTA; 112 wide tiles of 16
-        (4096, 128256, True),  # Llama-3-8B lm_head
-        (3584, 152064, True),  # Qwen2.5-7B lm_head
-        (5120, 27648, True),  # Qwen2.5-14B gate_up: 33 steps per CTA; 108 wide tiles of 20
-        (14336, 4096, False),  # Llama-3-8B down: 14 steps per CTA, too few
-        (5120, 7168, False),  # Qwen2.5-14B qkv
-        (4096, 128 * 1001, False),  # N not a multiple of 256
+        (4096, 28672, True, True),  # Llama-3-8B gate_up: 28 steps per CTA; 112 wide tiles: one wave, 85% full
+        (4096, 128256, True, True),  # Llama-3-8B lm_head: 501 tiles, 4 waves 95% full
+        (3584, 152064, True, True),  # Qwen2.5-7B lm_head
+        (5120, 27648, True, True),  # Qwen2.5-14B gate_up: 33 steps per CTA; 108 wide tiles, 82% full
+        (4096, 24576, True, False),  # Qwen3.5 gate_up: 96 tiles, one wave 73% full: stream-K
+        (5120, 34816, True, False),  # the 27B-class hybrid's gate_up: 136 tiles, two waves 52% full: stream-K
+        (14336, 4096, False, False),  # Llama-3-8B down: 14 steps per CTA, too few
+        (5120, 7168, False, False),  # Qwen2.5-14B qkv
+        (4096, 128 * 1001, False, False),  # N not a multiple of 256
     ],
 )
-def test_config_for_takes_wide_tiles_only_for_long_runs(k, n, wide, monkeypatch):
+def test_config_for_takes_wide_tiles_only_for_long_runs(k, n, wide, tile_per_cta, monkeypatch):
     monkeypatch.setattr(int4_ws, "sm_count", lambda: 132)
     cfg = int4_ws.config_for(k, n)
     assert cfg.tile_rows == (256 if wide else 128)
     assert int4_ws.fits(k, n, cfg)
-    if wide:  # one CTA per tile: every tile computed whole by one CTA, no partials
-        part = int4_ws.partition(k, n, cfg)
+    part = int4_ws.partition(k, n, cfg)
+    if tile_per_cta:  # one CTA per tile: every tile computed whole by one CTA, no partials
         assert part.ctas == part.tiles == n // 256 and (part.segments == 1).all()
+    else:  # stream-K: one CTA per SM
+        assert part.ctas == 132
 
 
 def _primitives(jaxpr):
