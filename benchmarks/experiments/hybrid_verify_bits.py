@@ -18,9 +18,10 @@ Runs: experiments/results/hybrid_verify_bits_h200.json (f7ad4ce: its "head" was 
 hybrid_verify_bits_output_rounded_h200.json (3f1c7d7: the conv's output rounded by `stored_values` too, no barrier
 after the conv: every row of verify(2) and verify(3) differs, row 0 included; with "+unrounded" only the rows reading
 earlier rows' inputs, as before); hybrid_verify_bits_barrier_h200.json (3b036bb: an optimization barrier on the conv's
-(output, seq): every row equal under both partitions, rounded or not). The shipped barrier (954f9db) is on the conv's
-output alone; it keeps the row-count-dependent window writes from changing how XLA fuses the conv (docs/design.md,
-rule 7).
+(output, seq): every row equal under both partitions, rounded or not). A barrier on the conv's output alone shipped at
+954f9db; 8b6c0b1 replaced it: decode and verify write the conv windows of every row of the tile, so nothing around the
+conv depends on the row count (docs/design.md, rule 7); the bench measured every row bitwise equal
+(bench_hybrid_qwen35_all_windows_h200.json, bench_hybrid_wave_fill_h200.json).
 
     python3 benchmarks/experiments/hybrid_verify_bits.py --commit <sha> --out $OUT/hybrid_verify_bits_h200.json
 """
