@@ -213,22 +213,22 @@ WAVE_FILL_MIN = 0.8
 
 
 def config_for(k: int, n: int) -> Config:
-    """The Config `rows_matmul` uses for a [K (stored), N] weight, a function of the shape only: 256-row tiles (two
-    warpgroups of 128 rows: one x tile and one pipeline step per 36 KB of weights instead of 18), one CTA per tile,
+    """The Config `rows_matmul` uses for a [K (stored), N] weight, a function of the shape and the SM count only:
+    256-row tiles (two warpgroups of 128 rows: one x tile and one pipeline step per 36 KB of weights instead of 18)
     where they fit N and the default 128-row tiles give each CTA at least WIDE_MIN_STEPS steps; else the default.
     Kernel alone on the H200 (docs/kernels.md) a 256-row step costs ~0.93x two 128-row steps: 1.5-10% faster on
     every lm_head and gate_up of the bench shapes; 7-33% slower on their qkv, o and down (4-17 steps per CTA),
-    where the wider tiles' longer ramp and coarser units cost more than the steps save. One CTA per tile (no
-    stream-K partials to sum; several waves of CTAs) rather than one per SM: the Llama-3-8B gate_up 35.1 against
-    40.2 us at 64 rows, the lm_head 140.8 against 155.5 (experiments/results/int4_64rows_h200.json); in the whole
-    generation, greedy B = 64 +3.2% tokens/s, B = 1 unchanged (int4_tile_per_cta_e2e_h200.json). Another partition
-    moves XLA's fusion choices around the kernels: it made the Qwen3.5 shape's verify rows differ from decode until
-    nothing around the Gated DeltaNet conv depended on the row count (docs/design.md, rule 7).
-    One CTA per tile only where the tiles fill their waves of SMs to WAVE_FILL_MIN; else the stream-K partition of
-    the wide tiles. A CTA streams about 1/SMs of the memory bandwidth, so a wave part empty runs as long as a full
-    one: the 27B-class hybrid's gate_up (136 tiles: 2 waves, 52% full) doubled its time, the decode step's int4
-    kernels 5.08 -> 6.39 ms (bench_hybrid_27b_all_windows_h200.json); the Qwen3.5 gate_up (96 tiles, 73%) cost 0.08
-    ms a step."""
+    where the wider tiles' longer ramp and coarser units cost more than the steps save.
+    The wide tiles run one CTA per tile (no stream-K partials to sum; several waves of CTAs) where the tiles fill
+    their waves of SMs to WAVE_FILL_MIN, else the stream-K partition (one CTA per SM). One CTA per tile: the
+    Llama-3-8B gate_up 35.1 against 40.2 us at 64 rows, the lm_head 140.8 against 155.5
+    (experiments/results/int4_64rows_h200.json); in the whole generation, greedy B = 64 +3.2% tokens/s, B = 1
+    unchanged (int4_tile_per_cta_e2e_h200.json). But a CTA streams about 1/SMs of the memory bandwidth, so a wave
+    part empty runs as long as a full one: the 27B-class hybrid's gate_up (136 tiles: 2 waves, 52% full) doubled
+    its time, the decode step's int4 kernels 5.08 -> 6.39 ms (bench_hybrid_27b_all_windows_h200.json); the Qwen3.5
+    gate_up (96 tiles, 73%) cost ~0.06 ms a step. Another partition also moves XLA's fusion choices around the
+    kernels: it made the Qwen3.5 shape's verify rows differ from decode until nothing around the Gated DeltaNet conv
+    depended on the row count (docs/design.md, rule 7)."""
     narrow = Config()
     wide = dataclasses.replace(narrow, wg_rows=2 * narrow.wg_rows)
     if not (fits(k, n, wide) and partition(k, n, narrow).per_cta >= WIDE_MIN_STEPS):
