@@ -233,9 +233,9 @@ def config_for(k: int, n: int) -> Config:
     wide = dataclasses.replace(narrow, wg_rows=2 * narrow.wg_rows)
     if not (fits(k, n, wide) and partition(k, n, narrow).per_cta >= WIDE_MIN_STEPS):
         return narrow
-    tiles = n // wide.tile_rows
-    waves = -(-tiles // sm_count())
-    return dataclasses.replace(wide, ctas=tiles) if tiles >= WAVE_FILL_MIN * waves * sm_count() else wide
+    tiles, sms = n // wide.tile_rows, sm_count()
+    waves = -(-tiles // sms)
+    return dataclasses.replace(wide, ctas=tiles) if tiles >= WAVE_FILL_MIN * waves * sms else wide
 
 
 def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> jax.Array:
