@@ -37,6 +37,21 @@ def l2_normalize(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
+def gdn_query_key(q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The conv's query and key columns, float32 [..., dk], as the recurrence reads them: L2-normalised, q scaled
+    by dk**-0.5."""
+    return l2_normalize(q) * q.shape[-1] ** -0.5, l2_normalize(k)
+
+
+def gdn_gates(a: jax.Array, b: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The in_proj's gate columns a, b [..., h] (any float dtype) and the layer's a_log, dt_bias [h] -> float32
+    (g, beta) [..., h]: the log-decay g = -exp(a_log) softplus(a + dt_bias) <= 0 and the write strength
+    beta = sigmoid(b), both computed in float32 (transformers' Qwen3.5 computes the sigmoid in b's dtype)."""
+    f32 = jnp.float32
+    g = -jnp.exp(a_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + dt_bias.astype(f32))
+    return g, jax.nn.sigmoid(b.astype(f32))
+
+
 def stored_values(x: jax.Array, dtype) -> jax.Array:
     """float32 [...]: x's values rounded to `dtype`, the values a `dtype` buffer would hold, whatever XLA fuses.
 
@@ -83,12 +98,16 @@ def gdn_step(state, q, k, v, g, beta):
     return state, jnp.sum(state * q[:, None], axis=0)
 
 
-def gdn_rows(states, slot, q, k, v, g, beta, rows: int):
+def gdn_rows(states, slot, conv, proj, a_log, dt_bias, rows: int, *, key_heads: int, gates_at: int = 0):
     """Advance the first `rows` rows of a row tile from candidate state `slot`, keeping every post-state.
 
-    states float32 [R, h, dk, dv]: candidate post-states, states[slot] the committed one. q/k [R, h, dk],
-    v [R, h, dv], g/beta [R, h] float32 (the full row tile, R = ROW_TILE). Returns (states with the post-state
-    after row i in slot i for i < rows, out float32 [R, h, dv] with rows >= `rows` zero).
+    states float32 [R, h, dk, dv]: candidate post-states, states[slot] the committed one. conv float32 [R, 2 nk dk
+    + h dv]: the conv's output rows, query | key | value columns (nk = key_heads key heads; value head i reads key
+    head i // (h // nk)); proj [R, C]: rows whose columns gates_at .. gates_at + h - 1 hold b and the next h hold a
+    (the in_proj's output, whole: its gate columns are read in place); a_log, dt_bias [h]. The recurrence's inputs
+    (`gdn_query_key`, `gdn_gates`) are computed per row inside the loop, so no XLA op stands between the conv, the
+    in_proj and the recurrence. R = ROW_TILE, the full row tile. Returns (states with the post-state after row i in
+    slot i for i < rows, out float32 [R, h, dv] with rows >= `rows` zero).
 
     `rows` is static, but the loop gets it as a runtime value hidden behind an optimization barrier: decode (1 row)
     and verify (k + 1 rows) run the very same compiled loop body, a fusion boundary for XLA, so row i's arithmetic
@@ -97,38 +116,66 @@ def gdn_rows(states, slot, q, k, v, g, beta, rows: int):
     decode commit set it to 0), see a trip count of 1, inline the loop body and fuse it differently; on XLA:CPU
     that changed which product of `exp(g) S + k u^T` is contracted into an FMA (interpret mode).
     """
-    r = states.shape[0]
-    if not 1 <= rows <= r or q.shape[0] != r:
-        raise ValueError(f"rows={rows} must be in 1..{r} and the tile must have {r} rows, got {q.shape[0]}")
+    r, h, dk, dv = states.shape
+    if not 1 <= rows <= r or conv.shape[0] != r or proj.shape[0] != r:
+        raise ValueError(
+            f"rows={rows} must be in 1..{r} and the tile must have {r} rows, got {conv.shape[0]} and {proj.shape[0]}"
+        )
+    if h % key_heads or conv.shape[1] != 2 * key_heads * dk + h * dv:
+        raise ValueError(
+            f"gdn_rows: {h} value heads of {dk} x {dv} over {key_heads} key heads need "
+            f"{2 * key_heads * dk + h * dv} conv columns, got {conv.shape[1]}"
+        )
+    if not 0 <= gates_at <= proj.shape[1] - 2 * h:
+        raise ValueError(f"gdn_rows: {2 * h} gate columns from {gates_at} do not fit proj's {proj.shape[1]}")
     slot, count = jax.lax.optimization_barrier((slot, jnp.asarray(rows, jnp.int32)))
     name = _backend.get_backend()
+    args = (states, slot, conv, proj, a_log, dt_bias, count, key_heads, gates_at)
     if name == "reference":
-        return _rows_reference(states, slot, q, k, v, g, beta, count)
-    return _rows_pallas(states, slot, q, k, v, g, beta, count, interpret=name == "interpret")
+        return _rows_reference(*args)
+    return _rows_pallas(*args, interpret=name == "interpret")
 
 
-def _rows_reference(states, slot, q, k, v, g, beta, count):
+def _row_inputs(q, k, v, a, b, a_log, dt_bias):
+    """One row's recurrence inputs from its raw ones (`gdn_query_key`, `gdn_gates`): q, k [..., dk], v [..., dv],
+    a, b, a_log, dt_bias [...] -> (q, k, v, g, beta), float32."""
+    q, k = gdn_query_key(q, k)
+    g, beta = gdn_gates(a, b, a_log, dt_bias)
+    return q, k, v.astype(jnp.float32), g, beta
+
+
+def _rows_reference(states, slot, conv, proj, a_log, dt_bias, count, key_heads, gates_at):
+    r, h, dk, dv = states.shape
+    b, a = proj[:, gates_at : gates_at + h], proj[:, gates_at + h : gates_at + 2 * h]
+    group = h // key_heads
+    q, k, v = jnp.split(conv, [key_heads * dk, 2 * key_heads * dk], axis=-1)
+    q, k = (jnp.repeat(x.reshape(r, key_heads, dk), group, axis=1) for x in (q, k))
+    v = v.reshape(r, h, dv)
+
     def body(i, carry):
         state, states, out = carry
-        state, o = jax.vmap(gdn_step)(state, q[i], k[i], v[i], g[i], beta[i])
+        row = _row_inputs(q[i], k[i], v[i], a[i], b[i], a_log, dt_bias)
+        state, o = jax.vmap(gdn_step)(state, *row)
         return state, states.at[i].set(state), out.at[i].set(o)
 
-    init = (jax.lax.dynamic_index_in_dim(states, slot, keepdims=False), states, jnp.zeros_like(v))
+    init = (jax.lax.dynamic_index_in_dim(states, slot, keepdims=False), states, jnp.zeros((r, h, dv), jnp.float32))
     _, states, out = jax.lax.fori_loop(0, count, body, init)
     return states, out
 
 
-def _rows_kernel(slot_ref, count_ref, s_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_out, o_ref):
-    """One (value head, dv block) program: s_ref/s_out [R, dk, BV] (aliased), q_ref/k_ref [R, dk], v_ref/o_ref
-    [R, BV], g_ref/b_ref [R]. The state stays in registers across the rows; each post-state is stored once. A row's
-    inputs do not depend on the state, so row i + 1's are loaded before row i computes: the loads' latency is off
-    the rows' sequential chain (the same values, so the same bits)."""
+def _rows_kernel(slot_ref, count_ref, s_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dt_ref, s_out, o_ref):
+    """One (value head, dv block) program: s_ref/s_out [R, dk, BV] (aliased), q_ref/k_ref [R, dk] (its key head's
+    conv columns), v_ref/o_ref [R, BV], a_ref/b_ref [R], alog_ref/dt_ref [1]. The state stays in registers across
+    the rows; each post-state is stored once. A row's inputs do not depend on the state, so row i + 1's are loaded
+    and prepared (`_row_inputs`) before row i computes: off the rows' sequential chain (the same values, so the same
+    bits)."""
     o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
     last = q_ref.shape[0] - 1
+    a_log, dt_bias = alog_ref[0], dt_ref[0]
 
     def inputs(i):
         i = jnp.minimum(i, last)  # past the tile's last row: a load nobody uses
-        return q_ref[i], k_ref[i], v_ref[i], g_ref[i], b_ref[i]
+        return _row_inputs(q_ref[i], k_ref[i], v_ref[i], a_ref[i], b_ref[i], a_log, dt_bias)
 
     def step(i, carry):
         state, row = carry
@@ -140,18 +187,24 @@ def _rows_kernel(slot_ref, count_ref, s_ref, q_ref, k_ref, v_ref, g_ref, b_ref, 
     jax.lax.fori_loop(0, count_ref[0], step, (s_ref[slot_ref[0]], inputs(0)))
 
 
-def _rows_pallas(states, slot, q, k, v, g, beta, count, *, interpret: bool):
+def _rows_pallas(states, slot, conv, proj, a_log, dt_bias, count, key_heads, gates_at, *, interpret: bool):
     r, h, dk, dv = states.shape
+    group = h // key_heads
     block_v = min(dv, BLOCK_V)
     while block_v > 1 and r * dk * block_v * 4 > STATE_BLOCK_BYTES:
         block_v //= 2
     if dv % block_v or dk & (dk - 1) or block_v & (block_v - 1):
         raise ValueError(f"the recurrent kernel needs power-of-2 dk and dv blocks, got dk={dk}, dv={dv}")
+    values_at = 2 * key_heads * dk // block_v  # the conv's first value column, in blocks of block_v
     scalar = pl.BlockSpec((1,), lambda *_: (0,))
     state_spec = pl.BlockSpec((r, None, dk, block_v), lambda i, j: (0, i, 0, j))
-    qk_spec = pl.BlockSpec((r, None, dk), lambda i, j: (0, i, 0))
-    v_spec = pl.BlockSpec((r, None, block_v), lambda i, j: (0, i, j))
-    gate_spec = pl.BlockSpec((r, None), lambda i, j: (0, i))
+    q_spec = pl.BlockSpec((r, dk), lambda i, j: (0, i // group))
+    k_spec = pl.BlockSpec((r, dk), lambda i, j: (0, key_heads + i // group))
+    v_spec = pl.BlockSpec((r, block_v), lambda i, j: (0, values_at + i * (dv // block_v) + j))
+    out_spec = pl.BlockSpec((r, None, block_v), lambda i, j: (0, i, j))
+    b_spec = pl.BlockSpec((r, None), lambda i, j: (0, gates_at + i))
+    a_spec = pl.BlockSpec((r, None), lambda i, j: (0, gates_at + h + i))
+    head_spec = pl.BlockSpec((1,), lambda i, j: (i,))
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
@@ -160,14 +213,25 @@ def _rows_pallas(states, slot, q, k, v, g, beta, count, *, interpret: bool):
     return pl.pallas_call(
         _rows_kernel,
         grid=(h, dv // block_v),
-        in_specs=[scalar, scalar, state_spec, qk_spec, qk_spec, v_spec, gate_spec, gate_spec],
-        out_specs=[state_spec, v_spec],
-        out_shape=[jax.ShapeDtypeStruct(states.shape, jnp.float32), jax.ShapeDtypeStruct(v.shape, jnp.float32)],
+        in_specs=[scalar, scalar, state_spec, q_spec, k_spec, v_spec, a_spec, b_spec, head_spec, head_spec],
+        out_specs=[state_spec, out_spec],
+        out_shape=[jax.ShapeDtypeStruct(states.shape, jnp.float32), jax.ShapeDtypeStruct((r, h, dv), jnp.float32)],
         input_output_aliases={2: 0},
         compiler_params=params,
         interpret=interpret,
         name="jspec_gdn_rows",
-    )(jnp.reshape(slot, (1,)).astype(jnp.int32), jnp.reshape(count, (1,)), states, q, k, v, g, beta)
+    )(
+        jnp.reshape(slot, (1,)).astype(jnp.int32),
+        jnp.reshape(count, (1,)),
+        states,
+        conv.astype(jnp.float32),
+        conv.astype(jnp.float32),
+        conv.astype(jnp.float32),
+        proj,
+        proj,
+        a_log,
+        dt_bias,
+    )
 
 
 def chunk_gated_delta(q, k, v, g, beta, chunk: int = CHUNK, state=None):

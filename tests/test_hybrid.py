@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,15 @@ from jspec.loop import LoopSettings, decode_round, eos_array, prefill_round
 from jspec.models import hybrid, quantize_linears
 from jspec.state import init_state
 from pallas_kernels import ROW_TILE, Int4Weight, quantize, use_backend
-from pallas_kernels.recurrent import chunk_gated_delta, gdn_rows, gdn_step, l2_normalize, stored_values
+from pallas_kernels.recurrent import (
+    chunk_gated_delta,
+    gdn_gates,
+    gdn_query_key,
+    gdn_rows,
+    gdn_step,
+    l2_normalize,
+    stored_values,
+)
 from tests.conftest import TINY_HF_CONFIGS
 from tests.tiny import ScriptDrafter, tiny_config
 
@@ -206,39 +215,91 @@ def test_commit_selects_the_post_state():
 GDN_BACKENDS = ["reference", "interpret", pytest.param("pallas", marks=ON_GPU_ONLY)]
 
 
-def _gdn_inputs(seed: int, h: int = 4, dk: int = 16, dv: int = 32):
-    """Random gdn_rows inputs for a full row tile: (states [R, h, dk, dv], q, k [R, h, dk], v [R, h, dv], g, beta
-    [R, h]), float32, q/k L2-normalised (q scaled by dk**-0.5), g <= 0, beta in (0, 1)."""
+GATES_AT = 3  # where b's columns start in the random tests' proj (a's follow): not at 0, as in a real in_proj
+
+
+def _gdn_inputs(seed: int, h: int = 4, nk: int = 2, dk: int = 16, dv: int = 32):
+    """Random gdn_rows inputs for a full row tile: (states [R, h, dk, dv], conv [R, 2 nk dk + h dv], proj
+    [R, GATES_AT + 2 h] (b, then a, from column GATES_AT), a_log, dt_bias [h]), float32."""
     rng = np.random.default_rng(seed)
     r = ROW_TILE
     states = jnp.asarray(rng.normal(size=(r, h, dk, dv)), jnp.float32)
-    q = l2_normalize(jnp.asarray(rng.normal(size=(r, h, dk)), jnp.float32)) * dk**-0.5
-    k = l2_normalize(jnp.asarray(rng.normal(size=(r, h, dk)), jnp.float32))
-    v = jnp.asarray(rng.normal(size=(r, h, dv)), jnp.float32)
-    g = -jnp.asarray(rng.uniform(0, 0.5, (r, h)), jnp.float32)
-    beta = jnp.asarray(rng.uniform(0, 1, (r, h)), jnp.float32)
-    return states, q, k, v, g, beta
+    conv = jnp.asarray(rng.normal(size=(r, 2 * nk * dk + h * dv)), jnp.float32)
+    proj = jnp.asarray(rng.normal(size=(r, GATES_AT + 2 * h)), jnp.float32)
+    a_log = jnp.asarray(np.log(rng.uniform(0.5, 4.0, h)), jnp.float32)
+    dt_bias = jnp.asarray(rng.normal(size=h), jnp.float32)
+    return states, conv, proj, a_log, dt_bias
+
+
+def _gdn_rows(rows: int, nk: int = 2):
+    """gdn_rows over `_gdn_inputs`' layout, jitted: (states, slot, conv, proj, a_log, dt_bias) -> (states, out)."""
+    return jax.jit(functools.partial(gdn_rows, rows=rows, key_heads=nk, gates_at=GATES_AT))
 
 
 @pytest.mark.parametrize("backend", GDN_BACKENDS)
 def test_gdn_rows_row_invariant(backend):
     """One call over 16 rows == 16 one-row calls chained through slot 0, bit for bit; kernel == reference."""
     r = ROW_TILE
-    states, q, k, v, g, beta = _gdn_inputs(1)
+    states, conv, proj, a_log, dt_bias = _gdn_inputs(1)
     with use_backend(backend):  # the backend is read at trace time: a fresh jit per backend
-        run = jax.jit(lambda *args: gdn_rows(*args[:7], args[7]), static_argnums=7)
-        all_states, all_out = run(states, 5, q, k, v, g, beta, r)
-        s, slot = states, 5
+        all_states, all_out = _gdn_rows(r)(states, 5, conv, proj, a_log, dt_bias)
+        s, slot, one_row = states, 5, _gdn_rows(1)
         for i in range(r):
-            shift = [jnp.roll(x, -i, axis=0) for x in (q, k, v, g, beta)]
-            s, out = run(s, slot, *shift, 1)
+            shift = [jnp.roll(x, -i, axis=0) for x in (conv, proj)]
+            s, out = one_row(s, slot, *shift, a_log, dt_bias)
             slot = 0
             assert np.array_equal(bits(out[0]), bits(all_out[i])) and not np.any(np.asarray(out[1:]))
             assert np.array_equal(bits(s[0]), bits(all_states[i]))
     with use_backend("reference"):
-        ref_states, ref_out = jax.jit(lambda *args: gdn_rows(*args, r))(states, 5, q, k, v, g, beta)
+        ref_states, ref_out = _gdn_rows(r)(states, 5, conv, proj, a_log, dt_bias)
     np.testing.assert_allclose(all_out, ref_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(all_states, ref_states, rtol=1e-5, atol=1e-5)
+
+
+def test_gdn_rows_computes_the_recurrence_of_its_raw_inputs():
+    """The reference backend == gdn_step applied row by row to the prepared inputs (value head i on key head
+    i // 2: the query / key columns repeated, L2-normalised, q scaled; g and beta from the gate columns)."""
+    nk, dk, h, dv, rows = 2, 16, 4, 32, 5
+    states, conv, proj, a_log, dt_bias = _gdn_inputs(2)
+    with use_backend("reference"):
+        got_states, got_out = _gdn_rows(rows)(states, 3, conv, proj, a_log, dt_bias)
+    q, k = (
+        jnp.repeat(x.reshape(-1, nk, dk), h // nk, axis=1) for x in (conv[:, : nk * dk], conv[:, nk * dk : 2 * nk * dk])
+    )
+    q, k = gdn_query_key(q, k)
+    v = conv[:, 2 * nk * dk :].reshape(-1, h, dv)
+    g, beta = gdn_gates(proj[:, GATES_AT + h :], proj[:, GATES_AT : GATES_AT + h], a_log, dt_bias)
+    state = states[3]
+    for i in range(rows):
+        state, out = jax.vmap(gdn_step)(state, q[i], k[i], v[i], g[i], beta[i])
+        np.testing.assert_allclose(got_out[i], out, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got_states[i], state, rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(got_out[rows:]))
+
+
+def test_gdn_gates_match_the_transformers_formula():
+    """g = -exp(A_log) softplus(a + dt_bias) <= 0, beta = sigmoid(b), float32 (transformers' Qwen3.5 layer)."""
+    a = jnp.asarray([[-30.0, -1.0, 0.0, 2.5, 40.0]], jnp.float32)
+    b = jnp.asarray([[-3.0, -0.5, 0.0, 0.5, 3.0]], jnp.float32)
+    a_log, dt_bias = jnp.log(jnp.arange(1.0, 6.0)), jnp.linspace(-1.0, 1.0, 5)
+    g, beta = gdn_gates(a, b, a_log, dt_bias)
+    x = np.asarray(a + dt_bias, np.float64)
+    np.testing.assert_allclose(g, -np.arange(1.0, 6.0) * np.logaddexp(x, 0.0), rtol=1e-6)
+    np.testing.assert_allclose(beta, 1 / (1 + np.exp(-np.asarray(b, np.float64))), rtol=1e-6)
+    assert g.dtype == beta.dtype == jnp.float32 and bool(jnp.all(g <= 0))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(key_heads=3), "4 value heads of 16 x 32 over 3 key heads need 224 conv columns, got 192"),
+        (dict(gates_at=GATES_AT + 1), "8 gate columns from 4 do not fit proj's 11"),
+    ],
+)
+def test_gdn_rows_refuses_a_mismatched_layout(kwargs, message):
+    states, conv, proj, a_log, dt_bias = _gdn_inputs(3)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gdn_rows(states, 0, conv, proj, a_log, dt_bias, 1, **(dict(key_heads=2, gates_at=GATES_AT) | kwargs))
 
 
 @pytest.mark.parametrize("rows", [1, 4])
@@ -248,10 +309,11 @@ def test_gdn_rows_bits_do_not_depend_on_a_known_slot(backend, rows):
 
     Without the barrier on the row count, interpret mode saw a trip count of 1, inlined the row loop and contracted
     the other product of exp(g) S + k u^T into an FMA on XLA:CPU."""
-    states, q, k, v, g, beta = _gdn_inputs(4)
+    states, conv, proj, a_log, dt_bias = _gdn_inputs(4)
+    step = functools.partial(gdn_rows, rows=rows, key_heads=2, gates_at=GATES_AT)
     with use_backend(backend):
-        traced = jax.jit(lambda s, slot, *a: gdn_rows(s, slot, *a, rows))(states, 0, q, k, v, g, beta)
-        known = jax.jit(lambda s, *a: gdn_rows(s, jnp.int32(0), *a, rows))(states, q, k, v, g, beta)
+        traced = jax.jit(step)(states, 0, conv, proj, a_log, dt_bias)
+        known = jax.jit(lambda s, *a: step(s, jnp.int32(0), *a))(states, conv, proj, a_log, dt_bias)
     for a, b in zip(traced, known, strict=True):
         assert np.array_equal(bits(a), bits(b))
 

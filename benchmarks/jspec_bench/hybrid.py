@@ -45,7 +45,7 @@ from jspec_bench.shapes import HYBRID_MODELS, model_config, scale_attention_outp
 from jspec_bench.steps import _load_model, _steps_for_models
 from jspec_bench.timing import kernel_times, profile, run_parallel
 from pallas_kernels import ROW_TILE
-from pallas_kernels.recurrent import gdn_rows, l2_normalize
+from pallas_kernels.recurrent import gdn_rows
 
 KS = (1, 2, 3)  # verify draft lengths and MTP k (the workload's drafts are short)
 LOOKUP_K = 3
@@ -95,22 +95,24 @@ def recurrent_cost(cfg, calls: int) -> dict:
     fixed cost (intercept of the least-squares line over rows), state bytes per row, and row invariance (one call
     over 4 rows == 4 chained one-row calls, bits)."""
     rng = np.random.default_rng(0)
-    h, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    nk, h = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     states0 = rng.normal(size=(ROW_TILE, h, dk, dv)).astype(np.float32)
-    q = l2_normalize(jnp.asarray(rng.normal(size=(ROW_TILE, h, dk)).astype(np.float32))) * dk**-0.5
-    k = l2_normalize(jnp.asarray(rng.normal(size=(ROW_TILE, h, dk)).astype(np.float32)))
-    v = jnp.asarray(rng.normal(size=(ROW_TILE, h, dv)).astype(np.float32))
-    g = -jnp.asarray(rng.uniform(0, 0.5, (ROW_TILE, h)).astype(np.float32))
-    beta = jnp.asarray(rng.uniform(0, 1, (ROW_TILE, h)).astype(np.float32))
+    conv = jnp.asarray(rng.normal(size=(ROW_TILE, 2 * nk * dk + h * dv)).astype(np.float32))
+    proj = jnp.asarray(rng.normal(size=(ROW_TILE, 2 * h)).astype(np.float32))  # b | a, as the in_proj's last columns
+    a_log = jnp.asarray(np.log(rng.uniform(1, 16, h)).astype(np.float32))
+    dt_bias = jnp.ones(h, jnp.float32)
+    inputs = (conv, proj, a_log, dt_bias)
     slot = jnp.zeros((), jnp.int32)  # a traced argument, as DecodeState.slot in the steps
-    fns = {rows: jax.jit(functools.partial(gdn_rows, rows=rows), donate_argnums=0) for rows in (1, 2, 3, 4)}
+    step = functools.partial(gdn_rows, key_heads=nk)
+    fns = {rows: jax.jit(functools.partial(step, rows=rows), donate_argnums=0) for rows in (1, 2, 3, 4)}
     on_gpu = jax.default_backend() == "gpu"
     source = "GPU kernel time of jspec_gdn_rows (XLA profiler), best of 3" if on_gpu else "wall of chained calls"
     out = {"state_bytes_per_row": int(states0[0].nbytes), "seconds": {}, "source": source, "donated": True}
 
     def chain(fn, states, n):
         for _ in range(n):
-            states, res = fn(states, slot, q, k, v, g, beta)
+            states, res = fn(states, slot, *inputs)
         return jax.block_until_ready((states, res))[0]
 
     for rows, fn in fns.items():
@@ -131,10 +133,10 @@ def recurrent_cost(cfg, calls: int) -> dict:
     slope, intercept = np.polyfit(rows, [out["seconds"][str(r)] for r in rows], 1)
     out.update(fixed_s=float(intercept), per_row_s=float(slope))
     out["per_row_Bps"] = out["state_bytes_per_row"] / slope if slope > 0 else None
-    all_states, all_out = fns[4](jnp.asarray(states0), slot, q, k, v, g, beta)
+    all_states, all_out = fns[4](jnp.asarray(states0), slot, *inputs)
     s, same = jnp.asarray(states0), True
     for i in range(4):
-        s, o = fns[1](s, slot, *(jnp.roll(x, -i, axis=0) for x in (q, k, v, g, beta)))
+        s, o = fns[1](s, slot, *(jnp.roll(x, -i, axis=0) for x in (conv, proj)), a_log, dt_bias)
         same &= np.array_equal(bits(o[0]), bits(all_out[i])) and np.array_equal(bits(s[0]), bits(all_states[i]))
     out["rows_bit_identical"] = bool(same)
     return out

@@ -41,8 +41,9 @@ from pallas_kernels.recurrent import (
     causal_conv,
     chunk_gated_delta,
     conv_window,
+    gdn_gates,
+    gdn_query_key,
     gdn_rows,
-    l2_normalize,
     stored_values,
 )
 
@@ -113,7 +114,8 @@ def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, run: Run):
     )
     key_dim, value_dim, conv_dim = _dims(cfg)
     width = cfg.linear_conv_kernel_dim
-    mixed, z, b, a = jnp.split(linear(h, p["in_proj"]), [conv_dim, conv_dim + value_dim, conv_dim + value_dim + nv], -1)
+    proj = linear(h, p["in_proj"])  # [T, conv_dim + value_dim + 2 nv]: mixed | z | b | a
+    mixed, z, b, a = jnp.split(proj, [conv_dim, conv_dim + value_dim, conv_dim + value_dim + nv], -1)
     if run.kind == FORWARD:
         window, state = jnp.zeros((width - 1, conv_dim), dtype), None
     elif run.kind == PREFILL:
@@ -121,23 +123,32 @@ def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, run: Run):
     else:
         window, state = cache["conv"][run.slot], None
     conv, seq = causal_conv(window, mixed, p["conv"])
-    q, k, v = jnp.split(stored_values(conv, dtype), [key_dim, 2 * key_dim], axis=-1)
-    group = nv // nk
-    q = jnp.repeat(l2_normalize(q.reshape(t, nk, dk)) * dk**-0.5, group, axis=1)
-    k = jnp.repeat(l2_normalize(k.reshape(t, nk, dk)), group, axis=1)
-    v = v.reshape(t, nv, dv)
-    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + p["dt_bias"])
-    beta = jax.nn.sigmoid(b).astype(jnp.float32)
+    conv = stored_values(conv, dtype)
     if run.kind == STEP:  # a batch slot's tile may have fewer rows than the candidates (jspec.batch): pad it
         pad = cache["ssm"].shape[0] - t
-        tile = [jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) for x in (q, k, v, g, beta)]
-        ssm, out = gdn_rows(cache["ssm"], run.slot, *tile, run.rows)
+        conv, proj = (jnp.pad(x, ((0, pad), (0, 0))) for x in (conv, proj))
+        ssm, out = gdn_rows(
+            cache["ssm"],
+            run.slot,
+            conv,
+            proj,
+            p["A_log"],
+            p["dt_bias"],
+            run.rows,
+            key_heads=nk,
+            gates_at=conv_dim + value_dim,
+        )
         out = out[:t]
         # The window after every row of the tile, valid or not, so that nothing around the conv depends on the row
         # count and XLA fuses it alike in decode and verify (docs/design.md, rule 7); commit selects a valid one.
         windows = jnp.stack([conv_window(seq, i + 1, width) for i in range(t)])
         cache = dict(conv=cache["conv"].at[:t].set(windows), ssm=ssm)
     else:
+        q, k, v = jnp.split(conv, [key_dim, 2 * key_dim], axis=-1)
+        q, k = gdn_query_key(q.reshape(t, nk, dk), k.reshape(t, nk, dk))
+        q, k = (jnp.repeat(x, nv // nk, axis=1) for x in (q, k))
+        v = v.reshape(t, nv, dv)
+        g, beta = gdn_gates(a, b, p["A_log"], p["dt_bias"])
         if run.kind == PREFILL:
             real = (jnp.arange(t) < run.n_valid)[:, None]
             g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
