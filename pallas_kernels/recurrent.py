@@ -195,6 +195,7 @@ def _rows_pallas(states, slot, conv, proj, a_log, dt_bias, count, key_heads, gat
         block_v //= 2
     if dv % block_v or dk & (dk - 1) or block_v & (block_v - 1):
         raise ValueError(f"the recurrent kernel needs power-of-2 dk and dv blocks, got dk={dk}, dv={dv}")
+    conv = conv.astype(jnp.float32)  # one array, read through three block specs (query, key, value columns)
     values_at = 2 * key_heads * dk // block_v  # the conv's first value column, in blocks of block_v
     scalar = pl.BlockSpec((1,), lambda *_: (0,))
     state_spec = pl.BlockSpec((r, None, dk, block_v), lambda i, j: (0, i, 0, j))
@@ -224,9 +225,9 @@ def _rows_pallas(states, slot, conv, proj, a_log, dt_bias, count, key_heads, gat
         jnp.reshape(slot, (1,)).astype(jnp.int32),
         jnp.reshape(count, (1,)),
         states,
-        conv.astype(jnp.float32),
-        conv.astype(jnp.float32),
-        conv.astype(jnp.float32),
+        conv,
+        conv,
+        conv,
         proj,
         proj,
         a_log,
