@@ -459,13 +459,14 @@ def _attention_tile(
             num_warps=num_warps,
             num_stages=num_stages,
         )
+    group = q.shape[1] // kv_cache.shape[1]
     return _merge(
         start_arr,
         parts,
         q_heads=q.shape[1],
-        group=q.shape[1] // kv_cache.shape[1],
+        head_rows=attention_ws.head_rows(group) if mosaic else ROW_TILE,
+        chunk_rows=attention_ws.WG_ROWS if mosaic else parts[0].shape[2],
         m=m,
-        mosaic=mosaic,
         splits=splits,
         interpret=interpret,
         combine_rows=combine_rows,
@@ -489,12 +490,16 @@ def _batch_tile(q, kv_cache, start_arr, **static):
         splits=static["splits"],
         block_k=static["block_k"],
         ring=static["num_stages"],
+        combine_rows=static["combine_rows"],
     )
+    group = q.shape[2] // kv_cache.shape[2]
+    per_head, _, chunk_rows = attention_ws.batch_layout(group, q.shape[1], static["combine_rows"])
     merge = functools.partial(
         _merge,
         q_heads=q.shape[2],
-        group=q.shape[2] // kv_cache.shape[2],
-        **{k: static[k] for k in ("m", "mosaic", "splits", "interpret")},
+        head_rows=per_head,
+        chunk_rows=chunk_rows,
+        **{k: static[k] for k in ("m", "splits", "interpret")},
         **{k: static[k] for k in ("combine_rows", "combine_chunk", "combine_warps", "combine_stages")},
     )
     return jax.vmap(merge)(start_arr, parts)
@@ -505,9 +510,9 @@ def _merge(
     parts,
     *,
     q_heads,
-    group,
+    head_rows,
+    chunk_rows,
     m,
-    mosaic,
     splits,
     interpret,
     combine_rows,
@@ -515,13 +520,10 @@ def _merge(
     combine_warps,
     combine_stages,
 ):
-    """The combine of a call's split partials (either split kernel's layout) into its first ceil(m / combine_rows)
-    * combine_rows rows [.., q_heads, D]; a partition of one split has nothing to combine (`only_split`)."""
-    layout = dict(
-        q_heads=q_heads,
-        head_rows=attention_ws.head_rows(group) if mosaic else ROW_TILE,
-        chunk_rows=attention_ws.WG_ROWS if mosaic else parts[0].shape[2],
-    )
+    """The combine of a call's split partials (`query_tile` layout: head_rows rows a query head, chunks of
+    chunk_rows rows) into its first ceil(m / combine_rows) * combine_rows rows [.., q_heads, D]; a partition of one
+    split has nothing to combine (`only_split`)."""
+    layout = dict(q_heads=q_heads, head_rows=head_rows, chunk_rows=chunk_rows)
     out_rows = -(-m // combine_rows) * combine_rows
     if parts[0].shape[1] == 1:
         return only_split(start_arr, parts[0], out_rows=out_rows, **layout)
@@ -551,15 +553,15 @@ def only_split(start_arr, o_part, *, q_heads, head_rows, chunk_rows, out_rows):
     return jnp.where((jnp.arange(out_rows) < start_arr[1])[:, None, None], o[:out_rows], jnp.zeros((), o.dtype))
 
 
-def query_tile(q: jax.Array, hkv: int, head_rows: int, chunk_rows: int) -> jax.Array:
+def query_tile(q: jax.Array, hkv: int, head_rows: int, chunk_rows: int, chunks: int | None = None) -> jax.Array:
     """q [M <= ROW_TILE, Hq, D] (a call's rows) -> the split kernels' query tiles [Hkv, C * chunk_rows, D], C =
-    ceil(ROW_TILE / head_rows) chunks: row c * chunk_rows + g * head_rows + r is row c * head_rows + r of query head
-    g of the KV head (zero from M on); zero rows after the group's heads in each chunk. The M rows are moved first
-    and the tile padded after, so a decode (M = 1, one chunk) moves no padding: under a batch's vmap the padded
-    tiles are written once, never transposed."""
+    chunks (None: ceil(ROW_TILE / head_rows), the whole row tile) chunks: row c * chunk_rows + g * head_rows + r is
+    row c * head_rows + r of query head g of the KV head (zero from M on); zero rows after the group's heads in each
+    chunk. The M rows are moved first and the tile padded after, so a decode (M = 1, one chunk) moves no padding:
+    under a batch's vmap the padded tiles are written once, never transposed."""
     m, hq, d = q.shape
     group = hq // hkv
-    chunks = -(-ROW_TILE // head_rows)
+    chunks = chunks or -(-ROW_TILE // head_rows)
     heads = q.reshape(m, hkv, group, d).transpose(1, 2, 0, 3)  # [Hkv, group, M, D]
     heads = jnp.pad(heads, ((0, 0), (0, 0), (0, chunks * head_rows - m), (0, 0)))
     qt = heads.reshape(hkv, group, chunks, head_rows, d).transpose(0, 2, 1, 3, 4)

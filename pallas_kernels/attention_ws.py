@@ -65,11 +65,21 @@ def ctas_per_head(hkv: int, chunks: int, n_split: int, batch: int = 1) -> int:
 
 def batch_grid(batch: int, hkv: int, head_dim: int, block_k: int = BLOCK_K) -> bool:
     """Whether a call on `batch` caches at once runs `batch_split_partials`: its (slot, KV head) items outnumber the
-    SMs (a grid of one CTA each would run in several waves) and its ring of q, K and V tiles fits in shared memory
-    (head_dim 256 does not: 32 bytes over), rather than `split_partials` under `jax.vmap`."""
+    SMs (a grid of one CTA each would run in several waves) and its ring of K and V tiles, two query tiles and the
+    out tile fit in shared memory (head_dim 256 does not: 32 bytes over), rather than `split_partials` under
+    `jax.vmap`."""
     ring = stages(block_k, head_dim)
-    tiles = (ring * (WG_ROWS + 2 * block_k) + WG_ROWS) * head_dim * 2 + 2 * WG_ROWS * 4  # q, K, V ring; out; m, l
+    tiles = (ring * 2 * block_k + 3 * WG_ROWS) * head_dim * 2 + 2 * WG_ROWS * 4  # K, V ring; 2 q, out; m, l
     return batch * hkv > sm_count() and tiles + SMEM_RESERVE <= SMEM_BYTES
+
+
+def batch_layout(group: int, m: int, multiple: int = 2) -> tuple[int, int, int]:
+    """The query tiles of `batch_split_partials` for calls of m rows (the batch's rows per slot, static) ->
+    (rows per query head R, chunks C, rows per chunk T): R = m rounded up to `multiple` (the combine's rows per
+    program, which divides `head_rows`), at most `head_rows(group)`; C = ceil(m / R); T = group x R rounded up to
+    8 (the tiles' row tiling). A decode of 4 heads a KV head moves 8 rows a tile where `split_partials` moves 64."""
+    per_head = min(head_rows(group), -(-m // multiple) * multiple)
+    return per_head, -(-m // per_head), -(-group * per_head // 8) * 8
 
 
 def batch_ctas(items: int) -> int:
@@ -158,9 +168,10 @@ def _attend(q_smem, k_smem, v_smem, state, *, fresh, base, chunk_start, per_head
     return pl.run_state(pv)(plgpu.ACC.init(acc)), m_new, den
 
 
-def _store(state, o_smem, ml_smem, o_dst, m_dst, l_dst) -> None:
+def _store(state, o_smem, ml_smem, o_dst, m_dst, l_dst, rows: int = WG_ROWS) -> None:
     """A split's partial from its final state: out = acc / l (0 where nothing was visible) in bfloat16, m and l,
-    through shared memory into the gmem slices o_dst [WG_ROWS, D], m_dst and l_dst [WG_ROWS]."""
+    through shared memory into the gmem slices o_dst [rows, D], m_dst and l_dst [rows] (the tile's first `rows`
+    rows, a multiple of 8)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     acc, m, den = state
@@ -170,16 +181,19 @@ def _store(state, o_smem, ml_smem, o_dst, m_dst, l_dst) -> None:
     ml_smem.at[0][...] = m
     ml_smem.at[1][...] = den
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_dst)
-    plgpu.copy_smem_to_gmem(ml_smem.at[0], m_dst)
-    plgpu.copy_smem_to_gmem(ml_smem.at[1], l_dst)
+    first = pl.ds(0, rows)
+    plgpu.copy_smem_to_gmem(o_smem if rows == WG_ROWS else o_smem.at[first], o_dst)
+    plgpu.copy_smem_to_gmem(ml_smem.at[0, first], m_dst)
+    plgpu.copy_smem_to_gmem(ml_smem.at[1, first], l_dst)
 
 
-def _split_step(q_smem, k_smem, v_smem, state, at, *, o_smem, ml_smem, parts, per_head: int, c: float, block_k: int):
+def _split_step(
+    q_smem, k_smem, v_smem, state, at, *, o_smem, ml_smem, parts, per_head: int, c: float, block_k: int, chunk_rows: int
+):
     """One pipeline step of a split: at = (split j, its first position, block b in it, its block count nb, the
     chunk's first row position, the partials' index before the split, the chunk) -> block b into the state
     (`_attend`), and after the split's last block its partial stored into parts (o, m, l gmem refs) at
-    [*index, j, the chunk's rows]. -> the new state."""
+    [*index, j, the chunk's chunk_rows rows]. -> the new state."""
     j, first, b, nb, chunk_start, index, chunk = at
     state = _attend(
         q_smem,
@@ -196,8 +210,8 @@ def _split_step(q_smem, k_smem, v_smem, state, at, *, o_smem, ml_smem, parts, pe
 
     @pl.when(b == nb - 1)  # the split ends: store its partial
     def _():
-        dst = (*index, j, pl.ds(chunk * WG_ROWS, WG_ROWS))
-        _store(state, o_smem, ml_smem, *(ref.at[dst] for ref in parts))
+        dst = (*index, j, pl.ds(chunk * chunk_rows, chunk_rows))
+        _store(state, o_smem, ml_smem, *(ref.at[dst] for ref in parts), rows=chunk_rows)
 
     return state
 
@@ -257,7 +271,7 @@ def split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring, ctas
     c = scale * _LOG2E
 
     def jspec_attention_ws(start_gmem, q_gmem, kv_gmem, o_gmem, m_gmem, l_gmem, q_smem, o_smem, ml_smem, q_bar):
-        kernel_args = dict(parts=(o_gmem, m_gmem, l_gmem), per_head=per_head, c=c, block_k=block_k)
+        kernel_args = dict(parts=(o_gmem, m_gmem, l_gmem), per_head=per_head, c=c, block_k=block_k, chunk_rows=WG_ROWS)
         head, cta = jax.lax.axis_index("h"), jax.lax.axis_index("c")
         start, valid = start_gmem[0], start_gmem[1]
         live_chunks = jax.lax.div(valid + per_head - 1, per_head)
@@ -310,42 +324,48 @@ def split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring, ctas
     )(start_arr, qt, kv_cache.reshape(s_len, hkv * 2 * d))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "block_k", "ring"))
-def batch_split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring):
-    """A batch's partials in one persistent grid: q [B, M <= ROW_TILE, Hq, D] bf16, kv_cache [B, S, Hkv, 2, D] bf16,
-    start_arr int32 [B, 2] (each slot's start and valid rows) -> o [B, Hkv, NS, C * WG_ROWS, D] bf16, m and l
-    [B, Hkv, NS, C * WG_ROWS] float32, where slot b's are `split_partials`' of (q[b], kv_cache[b], start_arr[b]),
-    bit for bit (splits and chunks neither computes are left unwritten).
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "block_k", "ring", "combine_rows"))
+def batch_split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring, combine_rows=2):
+    """A batch's partials in one persistent grid: q [B, m, Hq, D] bf16 (m <= ROW_TILE rows per slot), kv_cache
+    [B, S, Hkv, 2, D] bf16, start_arr int32 [B, 2] (each slot's start and valid rows) -> o [B, Hkv, NS, C * T, D]
+    bf16, m and l [B, Hkv, NS, C * T] float32 in the `batch_layout(group, m, combine_rows)` layout (R rows a head, C
+    chunks of T rows; `query_tile`'s order), where slot b's rows are the bits of `split_partials`' of (q[b],
+    kv_cache[b], start_arr[b]) (splits and chunks neither computes are left unwritten).
 
     The B x Hkv (slot, KV head) items are dealt to `batch_ctas` CTAs, item i to CTA i % G. A CTA runs all the live
-    chunks and splits of its items one after another in one pipeline, the query tile a pipelined input beside the
-    K and V blocks: one item's loads overlap the previous item's arithmetic, and the batch runs in one wave where a
-    grid of one CTA per item runs in B x Hkv / SMs waves, each paying its pipeline's fill and drain. A split's blocks
-    and arithmetic are `split_partials`' (`_attend`, `_store`; fresh state at its first block), so its bits depend
-    neither on the CTA that computes it nor on what that CTA computed before."""
+    chunks and splits of its items one after another in one pipeline of K and V blocks: one item's loads overlap
+    the previous item's arithmetic, and the batch runs in one wave where a grid of one CTA per item runs in
+    B x Hkv / SMs waves, each paying its pipeline's fill and drain. A chunk's query tile holds only its T rows in
+    memory (a decode of 4 heads: 8 rows, not the 64 of a warpgroup's tile): the consumer loads it into one of two
+    64-row buffers whose other rows stay zero, the next chunk's while this one computes, and stores the partials'
+    first T rows. A split's blocks and arithmetic are `split_partials`' (`_attend`, `_store`; fresh state at its
+    first block) and a row's place in the tile does not enter its arithmetic, so its bits depend neither on the CTA
+    that computes it, nor on what that CTA computed before, nor on the layout."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     from pallas_kernels.attention_kernel import query_tile  # here: attention_kernel imports this module
 
-    batch, _, hq, d = q.shape
+    batch, m, hq, d = q.shape
     _, s_len, hkv, _, _ = kv_cache.shape
     group = hq // hkv
-    per_head = head_rows(group)
-    chunks = -(-ROW_TILE // per_head)
+    per_head, chunks, chunk_rows = batch_layout(group, m, combine_rows)
     n_split = splits.count(s_len)
     items = batch * hkv
     grid = batch_ctas(items)
     per_cta = -(-items // grid)
     s_blocks = s_len // block_k
-    qt = jax.vmap(lambda x: query_tile(x, hkv, per_head, WG_ROWS))(q).reshape(items * chunks * WG_ROWS, d)
+    qt = jax.vmap(lambda x: query_tile(x, hkv, per_head, chunk_rows, chunks))(q).reshape(items * chunks, chunk_rows, d)
     tf = _tf()
     c = scale * _LOG2E
 
-    def jspec_attention_ws_batch(start_gmem, q_gmem, kv_gmem, o_gmem, m_gmem, l_gmem, o_smem, ml_smem):
-        kernel_args = dict(parts=(o_gmem, m_gmem, l_gmem), per_head=per_head, c=c, block_k=block_k)
+    def jspec_attention_ws_batch(start_gmem, q_gmem, kv_gmem, o_gmem, m_gmem, l_gmem, q_smem, q_bar, o_smem, ml_smem):
+        kernel_args = dict(
+            parts=(o_gmem, m_gmem, l_gmem), per_head=per_head, c=c, block_k=block_k, chunk_rows=chunk_rows
+        )
         cta = jax.lax.axis_index("c")
-        # this CTA's items cta, cta + grid, ...: slot, KV head, last attended position, steps a chunk, first step
-        mine, total = [], jnp.int32(0)
+        # this CTA's items cta, cta + grid, ...: slot, KV head, last attended position, steps a chunk, first step,
+        # chunks before it (its first chunk's index among the CTA's)
+        mine, total, tiles = [], jnp.int32(0), jnp.int32(0)
         for i in range(per_cta):
             item = cta + i * grid
             real = item < items
@@ -353,47 +373,69 @@ def batch_split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring
             slot = jax.lax.div(item, hkv)
             last = start_gmem[slot, 0] + ROW_TILE - 1
             _, chunk_steps, _ = _walk(splits, block_k, last)
-            live_chunks = jax.lax.div(start_gmem[slot, 1] + per_head - 1, per_head)
-            mine.append((slot, jax.lax.rem(item, hkv), last, chunk_steps, total))
-            total = total + jnp.where(real, live_chunks * chunk_steps, 0)
+            live_chunks = jnp.where(real, jax.lax.div(start_gmem[slot, 1] + per_head - 1, per_head), 0)
+            mine.append((slot, jax.lax.rem(item, hkv), last, chunk_steps, total, tiles))
+            total = total + live_chunks * chunk_steps
+            tiles = tiles + live_chunks
 
         def at(t):
             """Pipeline step t -> (slot, KV head, chunk, split j, its first position, block b in it, its block
-            count, the chunk's first row position)."""
+            count, the chunk's first row position, the chunk's index among the CTA's, whether t is its first
+            step, its steps)."""
             item = mine[0]
             for later in mine[1:]:  # the last item starting at or before t (an empty item is passed over)
                 item = tuple(jnp.where(t >= later[4], new, old) for new, old in zip(later, item, strict=True))
-            slot, head, last, chunk_steps, offset = item
-            chunk = jax.lax.div(t - offset, chunk_steps)
+            slot, head, last, chunk_steps, offset, tiles_before = item
+            chunk, step = jax.lax.div(t - offset, chunk_steps), jax.lax.rem(t - offset, chunk_steps)
             _, _, locate = _walk(splits, block_k, last)
-            j, first, b, nb = locate(jax.lax.rem(t - offset, chunk_steps))
-            return slot, head, chunk, j, first, b, nb, last - (ROW_TILE - 1) + chunk * per_head
+            j, first, b, nb = locate(step)
+            row0 = last - (ROW_TILE - 1) + chunk * per_head
+            return slot, head, chunk, j, first, b, nb, row0, tiles_before + chunk, step == 0, chunk_steps
 
-        def q_block(t):  # the query tiles viewed [B * Hkv * C * WG_ROWS, D]
-            slot, head, chunk, *_ = at(t)
-            return (slot * hkv + head) * chunks + chunk, 0
+        def load_query(t, buf):
+            """The query tile of the chunk whose first step is t -> rows 0 .. T - 1 of buffer buf (async)."""
+            slot, head, chunk = at(t)[:3]
+            dst = q_smem.at[buf] if chunk_rows == WG_ROWS else q_smem.at[buf, pl.ds(0, chunk_rows)]
+            plgpu.copy_gmem_to_smem(q_gmem.at[(slot * hkv + head) * chunks + chunk], dst, q_bar.at[buf])
 
         def kv_block(t, kv):  # the caches viewed [B * S, Hkv * 2 * D]
-            slot, head, _, _, first, b, _, _ = at(t)
+            slot, head, _, _, first, b, *_ = at(t)
             return slot * s_blocks + jax.lax.div(first, block_k) + b, 2 * head + kv
 
-        def body(idx, q_smem, k_smem, v_smem, state):
-            slot, head, chunk, j, first, b, nb, chunk_start = at(idx[0])
-            step = (j, first, b, nb, chunk_start, (slot, head), chunk)
-            return _split_step(q_smem, k_smem, v_smem, state, step, o_smem=o_smem, ml_smem=ml_smem, **kernel_args)
+        def body(idx, k_smem, v_smem, state):
+            t = idx[0]
+            slot, head, chunk, j, first, b, nb, row0, tile, starts, chunk_steps = at(t)
+            buf = jax.lax.rem(tile, 2)
+
+            @pl.when(starts)  # a chunk's first step: its queries have landed; the next chunk's start loading
+            def _():
+                plgpu.barrier_wait(q_bar.at[buf])
+
+                @pl.when(t + chunk_steps < total)
+                def _():
+                    load_query(t + chunk_steps, 1 - buf)
+
+            step = (j, first, b, nb, row0, (slot, head), chunk)
+            kw = dict(o_smem=o_smem, ml_smem=ml_smem, **kernel_args)
+            return _split_step(q_smem.at[buf], k_smem, v_smem, state, step, **kw)
 
         def compute_context(eval_pipeline):
+            if chunk_rows < WG_ROWS:  # the rows past a chunk's T stay zero (written before any load lands)
+                zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, d), jnp.bfloat16), plgpu.Layout.WGMMA)
+                q_smem.at[0][...] = zeros
+                q_smem.at[1][...] = zeros
+                plgpu.commit_smem()
+            load_query(jnp.int32(0), 0)
             eval_pipeline(_fresh_state(d))
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(total > 0)
         def _():
-            queries = plgpu.BlockSpec((WG_ROWS, d), q_block, transforms=tf)
             keys = plgpu.BlockSpec((block_k, d), lambda t: kv_block(t, 0), transforms=tf)
             values = plgpu.BlockSpec((block_k, d), lambda t: kv_block(t, 1), transforms=tf)
-            _pipeline(body, total, [queries, keys, values], ring, compute_context, q_gmem, kv_gmem, kv_gmem)
+            _pipeline(body, total, [keys, values], ring, compute_context, kv_gmem, kv_gmem)
 
-    rows = chunks * WG_ROWS
+    rows = chunks * chunk_rows
     out_type = (
         jax.ShapeDtypeStruct((batch, hkv, n_split, rows, d), jnp.bfloat16),
         jax.ShapeDtypeStruct((batch, hkv, n_split, rows), jnp.float32),
@@ -407,6 +449,8 @@ def batch_split_partials(q, kv_cache, start_arr, *, scale, splits, block_k, ring
         num_threads=2,
         thread_name="wg",
         scratch_types=dict(
+            q_smem=plgpu.SMEM((2, WG_ROWS, d), jnp.bfloat16, transforms=tf),
+            q_bar=plgpu.Barrier(num_barriers=2),
             o_smem=plgpu.SMEM((WG_ROWS, d), jnp.bfloat16, transforms=tf),
             ml_smem=plgpu.SMEM((2, WG_ROWS), jnp.float32),
         ),
