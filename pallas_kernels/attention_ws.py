@@ -16,10 +16,10 @@ in the data.
 
 A batch's slots (jspec.batch, under `jax.vmap`) whose (slot, KV head) items outnumber the SMs run
 `batch_split_partials` instead: one persistent grid over the whole batch, each CTA running several items' splits
-in one pipeline (the query tile pipelined beside K and V), so the batch is one wave of CTAs rather than several
-waves each paying a pipeline's fill and drain. Both kernels run a split with the same code (`_walk`, `_attend`,
-`_store`), so a slot's partials are the same bits in either grid. GPU only (the Pallas Mosaic GPU API of
-jax >= 0.11).
+in one pipeline of K and V blocks (the query tiles, only the batch's rows in memory, loaded a chunk ahead), so the
+batch is one wave of CTAs rather than several waves each paying a pipeline's fill and drain. Both kernels run a
+split with the same code (`_walk`, `_attend`, `_store`) and a row's place in its tile does not enter its
+arithmetic, so a slot's rows are the same bits in either grid. GPU only (the Pallas Mosaic GPU API of jax >= 0.11).
 """
 
 from __future__ import annotations

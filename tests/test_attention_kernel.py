@@ -352,6 +352,20 @@ def test_batch_grid_deals_every_item_to_one_wave():
         assert ctas <= sms and ctas * per_cta >= items > (ctas - 1) * per_cta, items
 
 
+def test_batch_layout_moves_only_the_calls_rows():
+    """The batch grid's query tiles (`attention_ws.batch_layout`) hold a call's m rows per head, rounded up to the
+    combine's rows and capped at the single-call layout's rows per head; a chunk's rows fit one warpgroup tile and
+    its 8-row tiling; a Llama-3 decode (4 heads a KV head, m = 1) moves 8 rows a tile, not 64."""
+    assert attention_ws.batch_layout(4, 1) == (2, 1, 8)
+    assert attention_ws.batch_layout(4, ROW_TILE) == (attention_ws.head_rows(4), 1, attention_ws.WG_ROWS)
+    for group in (1, 2, 4, 5, 8, 16, 32):
+        for m in range(1, ROW_TILE + 1):
+            per_head, chunks, chunk_rows = attention_ws.batch_layout(group, m)
+            assert per_head % 2 == 0 and per_head <= attention_ws.head_rows(group)
+            assert chunks * per_head >= m > (chunks - 1) * per_head
+            assert group * per_head <= chunk_rows <= attention_ws.WG_ROWS and chunk_rows % 8 == 0, (group, m)
+
+
 @pytest.mark.parametrize(
     "q_shape, cache_shape, dtype, match",
     [
