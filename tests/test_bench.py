@@ -240,7 +240,8 @@ planes { id: 2 name: "/host:CPU" lines { id: 1 name: "python" events { metadata_
 
 
 def test_kernel_times_sums_the_gpu_stream_kernels_per_call_and_group():
-    """Only kernel events on the GPU planes' stream lines count (not the "XLA Ops" line, not host planes)."""
+    """Only kernel events on the GPU planes' stream lines count (not the "XLA Ops" line, not host planes); the
+    stream's idle time between kernels is summed per call and by the kernel that follows each gap."""
     data = jax.profiler.ProfileData.text_proto_to_serialized_xspace(GPU_TRACE)
     times = timing.kernel_times(jax.profiler.ProfileData.from_serialized_xspace(data), calls=2)
     assert times["kernel_us"] == 8.5 and times["launches"] == 2
@@ -250,6 +251,8 @@ def test_kernel_times_sums_the_gpu_stream_kernels_per_call_and_group():
         "loop_add_fusion",
         "jspec_attention_split",
     ]
+    assert times["idle_us"] == 1.0  # 1 us before the add, 1 us before the attention, none before the last int4
+    assert times["idle_before_us"] == {"loop_add_fusion": 0.5, "jspec_attention_split": 0.5}
 
 
 def test_step_time_plot_is_drawn_from_a_gpu_run(tmp_path):

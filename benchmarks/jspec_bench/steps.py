@@ -136,7 +136,8 @@ def _kernels(r: dict) -> str:
     if "error" in k:
         return "; GPU kernels: profiler failed (see the JSON)"
     groups = ", ".join(f"{g} {us / 1e3:.2f}" for g, us in k["groups_us"].items())
-    return f"; GPU kernels {k['kernel_us'] / 1e3:.2f} ms in {k['launches']} launches ({groups})"
+    idle = f", stream idle {k['idle_us'] / 1e3:.2f} ms" if "idle_us" in k else ""
+    return f"; GPU kernels {k['kernel_us'] / 1e3:.2f} ms in {k['launches']} launches ({groups}){idle}"
 
 
 def _pct(r: dict) -> str:

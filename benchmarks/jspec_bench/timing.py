@@ -141,8 +141,11 @@ TOP_KERNELS = 24  # the costliest kernels a profile names (`kernel_times`' top_k
 
 def kernel_times(profile, calls: int) -> dict:
     """GPU kernel time per call from a `jax.profiler.ProfileData` of `calls` calls: every kernel event on the GPU
-    planes' stream lines, summed by name and by `KERNEL_GROUPS` group, in microseconds per call."""
+    planes' stream lines, summed by name and by `KERNEL_GROUPS` group, in microseconds per call; and where the
+    stream stood idle between its first and last kernel (the part of a step's wall its kernels do not fill:
+    launch gaps), in total and by the kernel each gap came before (`idle_before_us`)."""
     by_name: dict[str, float] = {}
+    idle_before: dict[str, float] = {}
     launches = 0
     for plane in profile.planes:
         if not plane.name.startswith("/device:GPU"):
@@ -150,9 +153,14 @@ def kernel_times(profile, calls: int) -> dict:
         for line in plane.lines:
             if not line.name.startswith("Stream"):
                 continue
-            for event in line.events:
+            end = None
+            for event in sorted(line.events, key=lambda e: e.start_ns):
                 by_name[event.name] = by_name.get(event.name, 0.0) + event.duration_ns / 1e3 / calls
                 launches += 1
+                if end is not None and event.start_ns > end:
+                    gap = (event.start_ns - end) / 1e3 / calls
+                    idle_before[event.name] = idle_before.get(event.name, 0.0) + gap
+                end = max(end or 0, event.end_ns)
     groups: dict[str, float] = {}
     for name, us in by_name.items():
         group = next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "XLA ops")
@@ -163,6 +171,10 @@ def kernel_times(profile, calls: int) -> dict:
         "launches": launches // calls,
         "groups_us": {g: round(us, 1) for g, us in sorted(groups.items(), key=lambda kv: -kv[1])},
         "top_kernels_us": {name[:80]: round(us, 1) for name, us in top},
+        "idle_us": round(sum(idle_before.values()), 1),
+        "idle_before_us": {
+            name[:80]: round(us, 1) for name, us in sorted(idle_before.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
+        },
     }
 
 
