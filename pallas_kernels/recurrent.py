@@ -43,6 +43,14 @@ def gdn_query_key(q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
     return l2_normalize(q) * q.shape[-1] ** -0.5, l2_normalize(k)
 
 
+def gdn_columns(conv: jax.Array, key_heads: int, dk: int, dv: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The conv's output rows [T, 2 nk dk + h dv] (query | key | value columns, nk = key_heads) split per head ->
+    (q, k [T, nk, dk], v [T, h, dv]); value head i reads key head i // (h // nk)."""
+    t = conv.shape[0]
+    q, k, v = jnp.split(conv, [key_heads * dk, 2 * key_heads * dk], axis=-1)
+    return q.reshape(t, key_heads, dk), k.reshape(t, key_heads, dk), v.reshape(t, -1, dv)
+
+
 def gdn_gates(a: jax.Array, b: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The in_proj's gate columns a, b [..., h] (any float dtype) and the layer's a_log, dt_bias [h] -> float32
     (g, beta) [..., h]: the log-decay g = -exp(a_log) softplus(a + dt_bias) <= 0 and the write strength
@@ -147,10 +155,8 @@ def _row_inputs(q, k, v, a, b, a_log, dt_bias):
 def _rows_reference(states, slot, conv, proj, a_log, dt_bias, count, key_heads, gates_at):
     r, h, dk, dv = states.shape
     b, a = proj[:, gates_at : gates_at + h], proj[:, gates_at + h : gates_at + 2 * h]
-    group = h // key_heads
-    q, k, v = jnp.split(conv, [key_heads * dk, 2 * key_heads * dk], axis=-1)
-    q, k = (jnp.repeat(x.reshape(r, key_heads, dk), group, axis=1) for x in (q, k))
-    v = v.reshape(r, h, dv)
+    q, k, v = gdn_columns(conv, key_heads, dk, dv)
+    q, k = (jnp.repeat(x, h // key_heads, axis=1) for x in (q, k))
 
     def body(i, carry):
         state, states, out = carry

@@ -41,6 +41,7 @@ from pallas_kernels.recurrent import (
     causal_conv,
     chunk_gated_delta,
     conv_window,
+    gdn_columns,
     gdn_gates,
     gdn_query_key,
     gdn_rows,
@@ -112,7 +113,7 @@ def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, run: Run):
         cfg.linear_key_head_dim,
         cfg.linear_value_head_dim,
     )
-    key_dim, value_dim, conv_dim = _dims(cfg)
+    _, value_dim, conv_dim = _dims(cfg)
     width = cfg.linear_conv_kernel_dim
     proj = linear(h, p["in_proj"])  # [T, conv_dim + value_dim + 2 nv]: mixed | z | b | a
     mixed, z, b, a = jnp.split(proj, [conv_dim, conv_dim + value_dim, conv_dim + value_dim + nv], -1)
@@ -144,10 +145,9 @@ def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, run: Run):
         windows = jnp.stack([conv_window(seq, i + 1, width) for i in range(t)])
         cache = dict(conv=cache["conv"].at[:t].set(windows), ssm=ssm)
     else:
-        q, k, v = jnp.split(conv, [key_dim, 2 * key_dim], axis=-1)
-        q, k = gdn_query_key(q.reshape(t, nk, dk), k.reshape(t, nk, dk))
+        q, k, v = gdn_columns(conv, nk, dk, dv)
+        q, k = gdn_query_key(q, k)
         q, k = (jnp.repeat(x, nv // nk, axis=1) for x in (q, k))
-        v = v.reshape(t, nv, dv)
         g, beta = gdn_gates(a, b, p["A_log"], p["dt_bias"])
         if run.kind == PREFILL:
             real = (jnp.arange(t) < run.n_valid)[:, None]
