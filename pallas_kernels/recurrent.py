@@ -29,6 +29,7 @@ BLOCK_V = 32  # value columns per program of the recurrent kernel (state block [
 # 256 KiB block (R=16, dk=128, block_v=32) failed to compile: "Shared memory size limit exceeded: requested 262144,
 # available: 232448". 64 KiB gives block_v=8 at dk=128 (unverified on the GPU: the session had no device time left).
 STATE_BLOCK_BYTES = 64 * 1024
+NUM_WARPS = 4  # Triton warps per program of the recurrent kernel
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -216,7 +217,7 @@ def _rows_pallas(states, slot, conv, proj, a_log, dt_bias, count, key_heads, gat
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
 
-        params = pltriton.CompilerParams(num_warps=4, num_stages=1)
+        params = pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
     return pl.pallas_call(
         _rows_kernel,
         grid=(h, dv // block_v),
