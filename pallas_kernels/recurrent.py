@@ -25,11 +25,13 @@ from pallas_kernels import backend as _backend
 L2_EPS = 1e-6  # as the FLA library / transformers: x * rsqrt(sum(x^2) + eps)
 CHUNK = 64  # positions per block of the chunked (WY) form of the recurrence
 BLOCK_V = 32  # value columns per program of the recurrent kernel (state block [dk, BLOCK_V] float32 in registers)
-# Upper bound on one program's candidate-state block [R, dk, block_v] float32. On the H200 (jax 0.11.2, Triton) a
-# 256 KiB block (R=16, dk=128, block_v=32) failed to compile: "Shared memory size limit exceeded: requested 262144,
-# available: 232448". 64 KiB gives block_v=8 at dk=128 (unverified on the GPU: the session had no device time left).
-STATE_BLOCK_BYTES = 64 * 1024
-NUM_WARPS = 4  # Triton warps per program of the recurrent kernel
+# Upper bound on one program's candidate-state block [R, dk, block_v] float32, and the warps of a program. On the
+# H200 (jax 0.11.2, Triton) a 256 KiB block (R=16, dk=128, block_v=32) failed to compile ("Shared memory size limit
+# exceeded: requested 262144, available: 232448"); 128 KiB (block_v=16) with one warp cost the least per row of
+# warps 1/2/4/8 x block_v 4/8/16 at the Qwen3.5 shape: 0.93 us a row, 2.7 us a one-row call, where 4 warps over
+# 8 columns cost 1.83 / 4.2 us (benchmarks/experiments/results/recurrent_variants_qwen35_h200.json).
+STATE_BLOCK_BYTES = 128 * 1024
+NUM_WARPS = 1  # Triton warps per program
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
