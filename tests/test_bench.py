@@ -255,6 +255,25 @@ def test_kernel_times_sums_the_gpu_stream_kernels_per_call_and_group():
     assert times["idle_before_us"] == {"loop_add_fusion": 0.5, "jspec_attention_split": 0.5}
 
 
+def test_time_chains_interleaves_the_trials_and_chains_each_state():
+    """Each chain warms up once, then trial t times every chain, in reverse order on odd t; each chain's calls feed
+    it its own donated state, and its median is over its own trials."""
+    calls = []
+
+    def step(name):
+        def fn(params, state, extra):
+            calls.append(name)
+            return state + params, jnp.asarray(extra)
+
+        return fn
+
+    chains = {"a": (step("a"), 1, jnp.int32(0), (7,)), "b": (step("b"), 10, jnp.int32(0), (8,))}
+    out = timing._time_chains(chains, reps=2, trials=3, warmup_s=0.0)
+    assert calls == ["a", "b"] + ["a"] * 2 + ["b"] * 2 + ["b"] * 2 + ["a"] * 2 + ["a"] * 2 + ["b"] * 2
+    for key, (median, times, kernels) in out.items():
+        assert len(times) == 3 and median == sorted(times)[1] and kernels is None, key
+
+
 def test_step_time_plot_is_drawn_from_a_gpu_run(tmp_path):
     """A run with GPU kernel times (the committed H200 bench) gets step_time.png next to the other plots; a CPU run
     (no kernel times, `test_quick_peer_targets_plots_and_table`) does not."""

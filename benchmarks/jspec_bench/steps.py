@@ -1,8 +1,8 @@
 """The steps and other_steps sections: decode_step and verify_step(k) of one model at a time (random int4 at a bench
 shape, or the bundled demo model) at cache position `--context`: time (median over trials of back-to-back calls of
-a jitted step with donated state), bytes read, % of the roofline, verify/decode ratio (= the break-even
-mean_accepted), compiles, GPU kernel times, and a bitwise check that verify row i equals the decode step at
-position + i."""
+a jitted step with donated state, the steps' trials interleaved), bytes read, % of the roofline, verify/decode ratio
+(= the break-even mean_accepted), compiles, GPU kernel times, and a bitwise check that verify row i equals the decode
+step at position + i."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from jspec_bench.shapes import (
     step_bytes,
     tree_nbytes,
 )
-from jspec_bench.timing import _time_chain, describe_kernels, run_parallel
+from jspec_bench.timing import _time_chains, describe_kernels, run_parallel
 from pallas_kernels import ROW_TILE, Int4Weight, get_backend
 from pallas_kernels.prepare import prepare_params, resolve_prepare
 
@@ -87,34 +87,41 @@ def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: t
     slowest = max(entry["compile_s"].values())
     print(f"  {name}: lowered in {entry['lower_s']:.1f} s, {len(built)} executables compiled (slowest {slowest:.1f} s)")
     roof = ctx.roofline_Bps
-    entry.update(context=opts.context, roofline_Bps=roof, compiles_during_timing=0)
+    entry.update(context=opts.context, roofline_Bps=roof)
 
-    def timed(exec_, extra: tuple, weights=params, rows: int = 1) -> dict:
-        state = copy_tree(base)
-        count = ctx.compiles.count
-        seconds, times, kernels = _time_chain(exec_, weights, state, extra, opts.reps, opts.trials, opts.warmup_s)
-        entry["compiles_during_timing"] += ctx.compiles.count - count
+    chains = {"decode": (execs["decode"], params, ())}
+    if prepared:
+        chains["decode_unprepared"] = (execs["decode_unprepared"], raw, ())
+    chains |= {f"verify{k}": (execs[f"verify{k}"], params, (jnp.asarray(drafts[k]),)) for k in ks}
+    chains = {key: (fn, weights, copy_tree(base), extra) for key, (fn, weights, extra) in chains.items()}
+    count = ctx.compiles.count
+    timings = _time_chains(chains, opts.reps, opts.trials, opts.warmup_s)
+    entry["compiles_during_timing"] = ctx.compiles.count - count
+
+    def timed(key: str, rows: int = 1) -> dict:
+        seconds, times, kernels = timings[key]
+        exec_, weights, _, _ = chains[key]
         read = step_bytes(weights, cfg, base, rows)
         out = {"time_s": seconds, "trial_times_s": times, "bytes": read, "achieved_Bps": read["total"] / seconds}
-        if kernels:  # where the top kernels come from: the executable's optimized HLO names its XLA fusions
-            out["gpu_kernels"] = kernels | {
-                "top_kernels_source": describe_kernels(exec_.as_text(), kernels["top_kernels_us"])
-            }
+        if kernels:
+            out["gpu_kernels"] = kernels
+        if kernels and "top_kernels_us" in kernels:  # the executable's optimized HLO names its XLA fusions
+            out["gpu_kernels"] |= {"top_kernels_source": describe_kernels(exec_.as_text(), kernels["top_kernels_us"])}
         if roof:
             out["roofline_fraction"] = read["total"] / seconds / roof
             out["roofline_time_s"] = read["total"] / roof
         return out
 
-    entry["decode"] = timed(execs["decode"], ())
+    entry["decode"] = timed("decode")
     decode_s = entry["decode"]["time_s"]
     print(f"  {name} decode {decode_s * 1e3:.3f} ms {_pct(entry['decode'])}{_kernels(entry['decode'])}", flush=True)
     if prepared:
-        raw_entry = entry["decode_unprepared"] = timed(execs["decode_unprepared"], (), raw)
+        raw_entry = entry["decode_unprepared"] = timed("decode_unprepared")
         raw_entry["prepared_speedup"] = raw_entry["time_s"] / decode_s
         print(f"  {name} decode on unprepared weights {raw_entry['time_s'] * 1e3:.3f} ms {_pct(raw_entry)}")
     entry["verify"] = {}
     for k in ks:
-        v = timed(execs[f"verify{k}"], (jnp.asarray(drafts[k]),), rows=k + 1)
+        v = timed(f"verify{k}", rows=k + 1)
         v["ratio_vs_decode"] = v["time_s"] / decode_s
         v["break_even_mean_accepted"] = v["ratio_vs_decode"]
         v.update(_bitwise_check(params, execs, k, base, drafts[k]))

@@ -1,11 +1,12 @@
 """Clocks of the bench: the wall-clock `Budget`, the XLA compile counter and compile-time estimator, concurrent
 compiles (`run_parallel`), median timers (`torch_median`: the one torch timer, which benchmarks/*.py import too),
-the XLA profiler's GPU kernel times (`profile`, `kernel_times`) and `_time_chain`, the timing of a jitted step
-chained on its donated state."""
+the XLA profiler's GPU kernel times (`profile`, `kernel_times`) and `_time_chains`, the timing of jitted steps
+chained on their donated states, in interleaved trials."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import re
 import statistics
 import tempfile
@@ -208,34 +209,47 @@ def profile(run: Callable[[], None]):
 
 
 def _time_chain(fn, params, state, extra: tuple, reps: int, trials: int, warmup_s: float):
-    """Seconds per call of state, out = fn(params, state, *extra) chained (state donated): median over trials of
-    `reps` back-to-back calls, after `warmup_s` seconds of untimed calls (at least one: on the H200 the first timed
-    trials of a step ran up to 30% slow after a single warm-up call, docs/performance.md). Returns (median, all trial
-    times, the GPU kernel times of 3 more calls under the XLA profiler (`kernel_times`; None off the GPU))."""
-    end = time.perf_counter() + warmup_s
-    while True:
-        state, out = fn(params, state, *extra)
-        jax.block_until_ready(out)
-        if time.perf_counter() >= end:
-            break
-    times = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            state, out = fn(params, state, *extra)
-        jax.block_until_ready((state, out))
-        times.append((time.perf_counter() - t0) / reps)
-    kernels = None
-    if jax.default_backend() == "gpu":
+    """`_time_chains` of one step: (median seconds per call, trial times, GPU kernel times)."""
+    return _time_chains({0: (fn, params, state, extra)}, reps, trials, warmup_s)[0]
 
-        def three_calls():
-            nonlocal state, out
-            for _ in range(3):
-                state, out = fn(params, state, *extra)
-            jax.block_until_ready((state, out))
 
-        try:
-            kernels = kernel_times(profile(three_calls), 3)
-        except Exception as e:  # the profiler is an add-on (another tool may hold CUPTI): record why, keep the timing
-            kernels = {"error": _error_text(e)}
-    return statistics.median(times), times, kernels
+def _time_chains(chains: dict, reps: int, trials: int, warmup_s: float) -> dict:
+    """Seconds per call of each chain {key: (fn, params, state, extra)}, state, out = fn(params, state, *extra)
+    chained (state donated): the median over trials of `reps` back-to-back calls, after `warmup_s` seconds of untimed
+    calls of each (at least one: on the H200 the first timed trials of a step ran up to 30% slow after a single
+    warm-up call, docs/performance.md). The chains' trials interleave (trial t times every chain, in reverse order
+    on odd t), so a drift of the clocks over the run reaches every chain alike rather than the one timed last: the
+    ratios of their medians are what a run compares. Returns {key: (median, its trial times, the GPU kernel times
+    of 3 more calls under the XLA profiler (`kernel_times`; None off the GPU))}."""
+    states, outs = {}, {}
+
+    def calls(key, n: int) -> None:
+        fn, params, _, extra = chains[key]
+        state = states[key]
+        for _ in range(n):
+            state, outs[key] = fn(params, state, *extra)
+        states[key] = state
+        jax.block_until_ready((state, outs[key]))
+
+    for key, (_, _, state, _) in chains.items():
+        states[key] = state
+        end = time.perf_counter() + warmup_s
+        calls(key, 1)
+        while time.perf_counter() < end:
+            calls(key, 1)
+    times = {key: [] for key in chains}
+    for t in range(trials):
+        for key in list(chains)[:: -1 if t % 2 else 1]:
+            t0 = time.perf_counter()
+            calls(key, reps)
+            times[key].append((time.perf_counter() - t0) / reps)
+    out = {}
+    for key in chains:
+        kernels = None
+        if jax.default_backend() == "gpu":
+            try:
+                kernels = kernel_times(profile(functools.partial(calls, key, 3)), 3)
+            except Exception as e:  # the profiler is an add-on (another tool may hold CUPTI): record why, keep timing
+                kernels = {"error": _error_text(e)}
+        out[key] = (statistics.median(times[key]), times[key], kernels)
+    return out
