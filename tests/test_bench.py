@@ -258,18 +258,20 @@ def test_kernel_times_sums_the_gpu_stream_kernels_per_call_and_group():
 def test_time_chains_interleaves_the_trials_and_chains_each_state():
     """Each chain warms up once, then trial t times every chain, in reverse order on odd t; each chain's calls feed
     it its own donated state, and its median is over its own trials."""
-    calls = []
+    calls, seen = [], {"a": [], "b": []}
 
     def step(name):
         def fn(params, state, extra):
             calls.append(name)
+            seen[name].append(int(state))
             return state + params, jnp.asarray(extra)
 
         return fn
 
-    chains = {"a": (step("a"), 1, jnp.int32(0), (7,)), "b": (step("b"), 10, jnp.int32(0), (8,))}
+    chains = {"a": (step("a"), 1, jnp.int32(0), (7,)), "b": (step("b"), 10, jnp.int32(100), (8,))}
     out = timing._time_chains(chains, reps=2, trials=3, warmup_s=0.0)
     assert calls == ["a", "b"] + ["a"] * 2 + ["b"] * 2 + ["b"] * 2 + ["a"] * 2 + ["a"] * 2 + ["b"] * 2
+    assert seen == {"a": list(range(7)), "b": list(range(100, 170, 10))}  # each call gets its chain's last state
     for key, (median, times, kernels) in out.items():
         assert len(times) == 3 and median == sorted(times)[1] and kernels is None, key
 
