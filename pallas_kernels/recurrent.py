@@ -196,12 +196,19 @@ def _rows_kernel(slot_ref, count_ref, s_ref, q_ref, k_ref, v_ref, a_ref, b_ref, 
     jax.lax.fori_loop(0, count_ref[0], step, (s_ref[slot_ref[0]], inputs(0)))
 
 
-def _rows_pallas(states, slot, conv, proj, a_log, dt_bias, count, key_heads, gates_at, *, interpret: bool):
-    r, h, dk, dv = states.shape
-    group = h // key_heads
+def state_block_columns(r: int, dk: int, dv: int) -> int:
+    """Value columns per program of the recurrent kernel for an r-row tile: BLOCK_V (at most dv), halved until the
+    program's candidate-state block [r, dk, columns] float32 fits STATE_BLOCK_BYTES."""
     block_v = min(dv, BLOCK_V)
     while block_v > 1 and r * dk * block_v * 4 > STATE_BLOCK_BYTES:
         block_v //= 2
+    return block_v
+
+
+def _rows_pallas(states, slot, conv, proj, a_log, dt_bias, count, key_heads, gates_at, *, interpret: bool):
+    r, h, dk, dv = states.shape
+    group = h // key_heads
+    block_v = state_block_columns(r, dk, dv)
     if dv % block_v or dk & (dk - 1) or block_v & (block_v - 1):
         raise ValueError(f"the recurrent kernel needs power-of-2 dk and dv blocks, got dk={dk}, dv={dv}")
     conv = conv.astype(jnp.float32)  # one array, read through three block specs (query, key, value columns)

@@ -221,18 +221,17 @@ def _time_chains(chains: dict, reps: int, trials: int, warmup_s: float) -> dict:
     on odd t), so a drift of the clocks over the run reaches every chain alike rather than the one timed last: the
     ratios of their medians are what a run compares. Returns {key: (median, its trial times, the GPU kernel times
     of 3 more calls under the XLA profiler (`kernel_times`; None off the GPU))}."""
-    states, outs = {}, {}
+    states = {key: state for key, (_, _, state, _) in chains.items()}  # each chain's latest (donated) state
 
     def calls(key, n: int) -> None:
         fn, params, _, extra = chains[key]
         state = states[key]
         for _ in range(n):
-            state, outs[key] = fn(params, state, *extra)
+            state, out = fn(params, state, *extra)
         states[key] = state
-        jax.block_until_ready((state, outs[key]))
+        jax.block_until_ready((state, out))
 
-    for key, (_, _, state, _) in chains.items():
-        states[key] = state
+    for key in chains:
         end = time.perf_counter() + warmup_s
         calls(key, 1)
         while time.perf_counter() < end:
