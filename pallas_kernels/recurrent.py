@@ -96,7 +96,9 @@ def causal_conv(window: jax.Array, x: jax.Array, weight: jax.Array) -> tuple[jax
 
 
 def conv_window(seq: jax.Array, consumed, width: int) -> jax.Array:
-    """The conv window [W-1, C] after the first `consumed` inputs of `causal_conv`'s seq (static or traced)."""
+    """Rows consumed .. consumed + W-2 of seq [*, C] (static or traced consumed): of `causal_conv`'s seq, the conv
+    window after its first `consumed` inputs; of a Gated DeltaNet conv cache (jspec.models.hybrid), candidate slot
+    `consumed`'s window."""
     return jax.lax.dynamic_slice_in_dim(seq, consumed, width - 1, axis=0)
 
 
@@ -109,16 +111,16 @@ def gdn_step(state, q, k, v, g, beta):
     return state, jnp.sum(state * q[:, None], axis=0)
 
 
-def gdn_rows(states, slot, conv, proj, a_log, dt_bias, rows: int, *, key_heads: int, gates_at: int = 0):
+def gdn_rows(states, slot, inputs, a_log, dt_bias, rows: int, *, key_heads: int):
     """Advance the first `rows` rows of a row tile from candidate state `slot`, keeping every post-state.
 
-    states float32 [R, h, dk, dv]: candidate post-states, states[slot] the committed one. conv float32 [R, 2 nk dk
-    + h dv]: the conv's output rows, query | key | value columns (nk = key_heads key heads; value head i reads key
-    head i // (h // nk)); proj [R, C]: rows whose columns gates_at .. gates_at + h - 1 hold b and the next h hold a
-    (the in_proj's output, whole: its gate columns are read in place); a_log, dt_bias [h]. The recurrence's inputs
-    (`gdn_query_key`, `gdn_gates`) are computed per row inside the loop, so no XLA op stands between the conv, the
-    in_proj and the recurrence. R = ROW_TILE, the full row tile. Returns (states with the post-state after row i in
-    slot i for i < rows, out float32 [R, h, dv] with rows >= `rows` zero).
+    states float32 [R, h, dk, dv]: candidate post-states, states[slot] the committed one. inputs float32 [R, 2 nk dk
+    + h dv + 2 h]: per row the conv's output (query | key | value columns; nk = key_heads key heads, value head i
+    reads key head i // (h // nk)), then the in_proj's gate columns b and a (h each); a_log, dt_bias [h]. The
+    recurrence's inputs (`gdn_query_key`, `gdn_gates`) are computed per row inside the loop, so no XLA arithmetic
+    stands between the conv, the in_proj and the recurrence (the gate columns only change dtype, exactly, on their way
+    into `inputs`). R = ROW_TILE, the full row tile. Returns (states with the post-state after row i in slot i for
+    i < rows, out float32 [R, h, dv] with rows >= `rows` zero).
 
     `rows` is static, but the loop gets it as a runtime value hidden behind an optimization barrier: decode (1 row)
     and verify (k + 1 rows) run the very same compiled loop body, a fusion boundary for XLA, so row i's arithmetic
@@ -128,20 +130,17 @@ def gdn_rows(states, slot, conv, proj, a_log, dt_bias, rows: int, *, key_heads: 
     that changed which product of `exp(g) S + k u^T` is contracted into an FMA (interpret mode).
     """
     r, h, dk, dv = states.shape
-    if not 1 <= rows <= r or conv.shape[0] != r or proj.shape[0] != r:
+    if not 1 <= rows <= r or inputs.shape[0] != r:
+        raise ValueError(f"rows={rows} must be in 1..{r} and the tile must have {r} rows, got {inputs.shape[0]}")
+    columns = 2 * key_heads * dk + h * dv + 2 * h
+    if h % key_heads or inputs.shape[1] != columns:
         raise ValueError(
-            f"rows={rows} must be in 1..{r} and the tile must have {r} rows, got {conv.shape[0]} and {proj.shape[0]}"
+            f"gdn_rows: {h} value heads of {dk} x {dv} over {key_heads} key heads need {columns} input columns "
+            f"(query | key | value | b | a), got {inputs.shape[1]}"
         )
-    if h % key_heads or conv.shape[1] != 2 * key_heads * dk + h * dv:
-        raise ValueError(
-            f"gdn_rows: {h} value heads of {dk} x {dv} over {key_heads} key heads need "
-            f"{2 * key_heads * dk + h * dv} conv columns, got {conv.shape[1]}"
-        )
-    if not 0 <= gates_at <= proj.shape[1] - 2 * h:
-        raise ValueError(f"gdn_rows: {2 * h} gate columns from {gates_at} do not fit proj's {proj.shape[1]}")
     slot, count = jax.lax.optimization_barrier((slot, jnp.asarray(rows, jnp.int32)))
     name = _backend.get_backend()
-    args = (states, slot, conv, proj, a_log, dt_bias, count, key_heads, gates_at)
+    args = (states, slot, inputs.astype(jnp.float32), a_log, dt_bias, count, key_heads)
     if name == "reference":
         return _rows_reference(*args)
     return _rows_pallas(*args, interpret=name == "interpret")
@@ -155,9 +154,9 @@ def _row_inputs(q, k, v, a, b, a_log, dt_bias):
     return q, k, v.astype(jnp.float32), g, beta
 
 
-def _rows_reference(states, slot, conv, proj, a_log, dt_bias, count, key_heads, gates_at):
+def _rows_reference(states, slot, inputs, a_log, dt_bias, count, key_heads):
     r, h, dk, dv = states.shape
-    b, a = proj[:, gates_at : gates_at + h], proj[:, gates_at + h : gates_at + 2 * h]
+    conv, b, a = jnp.split(inputs, [inputs.shape[1] - 2 * h, inputs.shape[1] - h], axis=-1)
     q, k, v = gdn_columns(conv, key_heads, dk, dv)
     q, k = (jnp.repeat(x, h // key_heads, axis=1) for x in (q, k))
 
@@ -174,7 +173,7 @@ def _rows_reference(states, slot, conv, proj, a_log, dt_bias, count, key_heads, 
 
 def _rows_kernel(slot_ref, count_ref, s_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dt_ref, s_out, o_ref):
     """One (value head, dv block) program: s_ref/s_out [R, dk, BV] (aliased), q_ref/k_ref [R, dk] (its key head's
-    conv columns), v_ref/o_ref [R, BV], a_ref/b_ref [R], alog_ref/dt_ref [1]. The state stays in registers across
+    columns), v_ref/o_ref [R, BV], a_ref/b_ref [R], alog_ref/dt_ref [1]. The state stays in registers across
     the rows; each post-state is stored once. A row's inputs do not depend on the state, so row i + 1's are loaded
     and prepared (`_row_inputs`) before row i computes: off the rows' sequential chain (the same values, so the same
     bits)."""
@@ -205,14 +204,14 @@ def state_block_columns(r: int, dk: int, dv: int) -> int:
     return block_v
 
 
-def _rows_pallas(states, slot, conv, proj, a_log, dt_bias, count, key_heads, gates_at, *, interpret: bool):
+def _rows_pallas(states, slot, inputs, a_log, dt_bias, count, key_heads, *, interpret: bool):
     r, h, dk, dv = states.shape
     group = h // key_heads
     block_v = state_block_columns(r, dk, dv)
     if dv % block_v or dk & (dk - 1) or block_v & (block_v - 1):
         raise ValueError(f"the recurrent kernel needs power-of-2 dk and dv blocks, got dk={dk}, dv={dv}")
-    conv = conv.astype(jnp.float32)  # one array, read through three block specs (query, key, value columns)
-    values_at = 2 * key_heads * dk // block_v  # the conv's first value column, in blocks of block_v
+    values_at = 2 * key_heads * dk // block_v  # the first value column, in blocks of block_v
+    gates_at = 2 * key_heads * dk + h * dv  # b's first column (a's follow)
     scalar = pl.BlockSpec((1,), lambda *_: (0,))
     state_spec = pl.BlockSpec((r, None, dk, block_v), lambda i, j: (0, i, 0, j))
     q_spec = pl.BlockSpec((r, dk), lambda i, j: (0, i // group))
@@ -241,11 +240,7 @@ def _rows_pallas(states, slot, conv, proj, a_log, dt_bias, count, key_heads, gat
         jnp.reshape(slot, (1,)).astype(jnp.int32),
         jnp.reshape(count, (1,)),
         states,
-        conv,
-        conv,
-        conv,
-        proj,
-        proj,
+        *[inputs] * 5,  # one array, read through five block specs (query, key, value, a, b columns)
         a_log,
         dt_bias,
     )

@@ -205,8 +205,9 @@ def test_commit_selects_the_post_state():
         assert int(rolled.slot) == n and int(rolled.position) == int(s.position)
         for c_ref, c_rolled in zip(s.cache, rolled.cache, strict=True):
             if isinstance(c_ref, dict):
+                want, got = hybrid.candidate_state(c_ref, 0), hybrid.candidate_state(c_rolled, n)
                 for name in ("ssm", "conv"):
-                    assert np.array_equal(bits(c_ref[name][0]), bits(c_rolled[name][n]))
+                    assert np.array_equal(bits(want[name]), bits(got[name]))
         _, expect = decode(params, s, 0)
         _, got = decode(params, rolled, 0)
         assert np.array_equal(bits(got), bits(expect))
@@ -215,43 +216,38 @@ def test_commit_selects_the_post_state():
 GDN_BACKENDS = ["reference", "interpret", pytest.param("pallas", marks=ON_GPU_ONLY)]
 
 
-GATES_AT = 3  # where b's columns start in the random tests' proj (a's follow): not at 0, as in a real in_proj
-
-
 def _gdn_inputs(seed: int, h: int = 4, nk: int = 2, dk: int = 16, dv: int = 32):
-    """Random gdn_rows inputs for a full row tile: (states [R, h, dk, dv], conv [R, 2 nk dk + h dv], proj
-    [R, GATES_AT + 2 h] (b, then a, from column GATES_AT), a_log, dt_bias [h]), float32."""
+    """Random gdn_rows inputs for a full row tile: (states [R, h, dk, dv], inputs [R, 2 nk dk + h dv + 2 h] (conv
+    columns, then b, then a), a_log, dt_bias [h]), float32."""
     rng = np.random.default_rng(seed)
     r = ROW_TILE
     states = jnp.asarray(rng.normal(size=(r, h, dk, dv)), jnp.float32)
-    conv = jnp.asarray(rng.normal(size=(r, 2 * nk * dk + h * dv)), jnp.float32)
-    proj = jnp.asarray(rng.normal(size=(r, GATES_AT + 2 * h)), jnp.float32)
+    inputs = jnp.asarray(rng.normal(size=(r, 2 * nk * dk + h * dv + 2 * h)), jnp.float32)
     a_log = jnp.asarray(np.log(rng.uniform(0.5, 4.0, h)), jnp.float32)
     dt_bias = jnp.asarray(rng.normal(size=h), jnp.float32)
-    return states, conv, proj, a_log, dt_bias
+    return states, inputs, a_log, dt_bias
 
 
 def _gdn_rows(rows: int, nk: int = 2):
-    """gdn_rows over `_gdn_inputs`' layout, jitted: (states, slot, conv, proj, a_log, dt_bias) -> (states, out)."""
-    return jax.jit(functools.partial(gdn_rows, rows=rows, key_heads=nk, gates_at=GATES_AT))
+    """gdn_rows over `_gdn_inputs`' layout, jitted: (states, slot, inputs, a_log, dt_bias) -> (states, out)."""
+    return jax.jit(functools.partial(gdn_rows, rows=rows, key_heads=nk))
 
 
 @pytest.mark.parametrize("backend", GDN_BACKENDS)
 def test_gdn_rows_row_invariant(backend):
     """One call over 16 rows == 16 one-row calls chained through slot 0, bit for bit; kernel == reference."""
     r = ROW_TILE
-    states, conv, proj, a_log, dt_bias = _gdn_inputs(1)
+    states, inputs, a_log, dt_bias = _gdn_inputs(1)
     with use_backend(backend):  # the backend is read at trace time: a fresh jit per backend
-        all_states, all_out = _gdn_rows(r)(states, 5, conv, proj, a_log, dt_bias)
+        all_states, all_out = _gdn_rows(r)(states, 5, inputs, a_log, dt_bias)
         s, slot, one_row = states, 5, _gdn_rows(1)
         for i in range(r):
-            shift = [jnp.roll(x, -i, axis=0) for x in (conv, proj)]
-            s, out = one_row(s, slot, *shift, a_log, dt_bias)
+            s, out = one_row(s, slot, jnp.roll(inputs, -i, axis=0), a_log, dt_bias)
             slot = 0
             assert np.array_equal(bits(out[0]), bits(all_out[i])) and not np.any(np.asarray(out[1:]))
             assert np.array_equal(bits(s[0]), bits(all_states[i]))
     with use_backend("reference"):
-        ref_states, ref_out = _gdn_rows(r)(states, 5, conv, proj, a_log, dt_bias)
+        ref_states, ref_out = _gdn_rows(r)(states, 5, inputs, a_log, dt_bias)
     np.testing.assert_allclose(all_out, ref_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(all_states, ref_states, rtol=1e-5, atol=1e-5)
 
@@ -260,15 +256,16 @@ def test_gdn_rows_computes_the_recurrence_of_its_raw_inputs():
     """The reference backend == gdn_step applied row by row to the prepared inputs (value head i on key head
     i // 2: the query / key columns repeated, L2-normalised, q scaled; g and beta from the gate columns)."""
     nk, dk, h, dv, rows = 2, 16, 4, 32, 5
-    states, conv, proj, a_log, dt_bias = _gdn_inputs(2)
+    states, inputs, a_log, dt_bias = _gdn_inputs(2)
     with use_backend("reference"):
-        got_states, got_out = _gdn_rows(rows)(states, 3, conv, proj, a_log, dt_bias)
+        got_states, got_out = _gdn_rows(rows)(states, 3, inputs, a_log, dt_bias)
+    conv, b, a = inputs[:, : -2 * h], inputs[:, -2 * h : -h], inputs[:, -h:]
     q, k = (
         jnp.repeat(x.reshape(-1, nk, dk), h // nk, axis=1) for x in (conv[:, : nk * dk], conv[:, nk * dk : 2 * nk * dk])
     )
     q, k = gdn_query_key(q, k)
     v = conv[:, 2 * nk * dk :].reshape(-1, h, dv)
-    g, beta = gdn_gates(proj[:, GATES_AT + h :], proj[:, GATES_AT : GATES_AT + h], a_log, dt_bias)
+    g, beta = gdn_gates(a, b, a_log, dt_bias)
     state = states[3]
     for i in range(rows):
         state, out = jax.vmap(gdn_step)(state, q[i], k[i], v[i], g[i], beta[i])
@@ -292,14 +289,17 @@ def test_gdn_gates_match_the_transformers_formula():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(key_heads=3), "4 value heads of 16 x 32 over 3 key heads need 224 conv columns, got 192"),
-        (dict(gates_at=GATES_AT + 1), "8 gate columns from 4 do not fit proj's 11"),
+        (dict(key_heads=3), "over 3 key heads need 232 input columns (query | key | value | b | a), got 200"),
+        (dict(columns=199), "over 2 key heads need 200 input columns (query | key | value | b | a), got 199"),
+        (dict(rows=17), "rows=17 must be in 1..16"),
     ],
 )
 def test_gdn_rows_refuses_a_mismatched_layout(kwargs, message):
-    states, conv, proj, a_log, dt_bias = _gdn_inputs(3)
+    states, inputs, a_log, dt_bias = _gdn_inputs(3)
+    args = dict(key_heads=2, rows=1, columns=inputs.shape[1]) | kwargs
+    inputs = inputs[:, : args.pop("columns")]
     with pytest.raises(ValueError, match=re.escape(message)):
-        gdn_rows(states, 0, conv, proj, a_log, dt_bias, 1, **(dict(key_heads=2, gates_at=GATES_AT) | kwargs))
+        gdn_rows(states, 0, inputs, a_log, dt_bias, **args)
 
 
 @pytest.mark.parametrize("rows", [1, 4])
@@ -309,11 +309,11 @@ def test_gdn_rows_bits_do_not_depend_on_a_known_slot(backend, rows):
 
     Without the barrier on the row count, interpret mode saw a trip count of 1, inlined the row loop and contracted
     the other product of exp(g) S + k u^T into an FMA on XLA:CPU."""
-    states, conv, proj, a_log, dt_bias = _gdn_inputs(4)
-    step = functools.partial(gdn_rows, rows=rows, key_heads=2, gates_at=GATES_AT)
+    states, inputs, a_log, dt_bias = _gdn_inputs(4)
+    step = functools.partial(gdn_rows, rows=rows, key_heads=2)
     with use_backend(backend):
-        traced = jax.jit(step)(states, 0, conv, proj, a_log, dt_bias)
-        known = jax.jit(lambda s, *a: step(s, jnp.int32(0), *a))(states, conv, proj, a_log, dt_bias)
+        traced = jax.jit(step)(states, 0, inputs, a_log, dt_bias)
+        known = jax.jit(lambda s, *a: step(s, jnp.int32(0), *a))(states, inputs, a_log, dt_bias)
     for a, b in zip(traced, known, strict=True):
         assert np.array_equal(bits(a), bits(b))
 
@@ -351,8 +351,9 @@ def test_prefill_chunks_carry_the_state_and_padding_leaves_it_alone():
         np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
         for ca, cb in zip(a.cache, b.cache, strict=True):
             if isinstance(ca, dict):
-                np.testing.assert_allclose(ca["ssm"][0], cb["ssm"][0], rtol=1e-5, atol=1e-6)
-                np.testing.assert_allclose(ca["conv"][0], cb["conv"][0], rtol=1e-5, atol=1e-6)
+                sa, sb = hybrid.candidate_state(ca, 0), hybrid.candidate_state(cb, 0)
+                for name in ("ssm", "conv"):
+                    np.testing.assert_allclose(sa[name], sb[name], rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------------

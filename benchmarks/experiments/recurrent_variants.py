@@ -79,11 +79,10 @@ def outputs(cfg) -> tuple[np.ndarray, np.ndarray]:
     nk, h = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     states = jnp.asarray(rng.normal(size=(ROW_TILE, h, dk, dv)).astype(np.float32))
-    conv = jnp.asarray(rng.normal(size=(ROW_TILE, 2 * nk * dk + h * dv)).astype(np.float32))
-    proj = jnp.asarray(rng.normal(size=(ROW_TILE, 2 * h)).astype(np.float32))
+    inputs = jnp.asarray(rng.normal(size=(ROW_TILE, 2 * nk * dk + h * dv + 2 * h)).astype(np.float32))
     a_log = jnp.asarray(np.log(rng.uniform(1, 16, h)).astype(np.float32))
     fn = jax.jit(functools.partial(recurrent.gdn_rows, rows=4, key_heads=nk))
-    s, o = fn(states, jnp.zeros((), jnp.int32), conv, proj, a_log, jnp.ones(h, jnp.float32))
+    s, o = fn(states, jnp.zeros((), jnp.int32), inputs, a_log, jnp.ones(h, jnp.float32))
     return np.asarray(bits(s[:4])), np.asarray(bits(o[:4]))
 
 

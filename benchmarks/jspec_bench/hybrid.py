@@ -98,11 +98,11 @@ def recurrent_cost(cfg, calls: int) -> dict:
     nk, h = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     states0 = rng.normal(size=(ROW_TILE, h, dk, dv)).astype(np.float32)
-    conv = jnp.asarray(rng.normal(size=(ROW_TILE, 2 * nk * dk + h * dv)).astype(np.float32))
-    proj = jnp.asarray(rng.normal(size=(ROW_TILE, 2 * h)).astype(np.float32))  # b | a, as the in_proj's last columns
+    columns = 2 * nk * dk + h * dv + 2 * h  # the conv's q | k | v, then the gates b | a
+    rows_in = jnp.asarray(rng.normal(size=(ROW_TILE, columns)).astype(np.float32))
     a_log = jnp.asarray(np.log(rng.uniform(1, 16, h)).astype(np.float32))
     dt_bias = jnp.ones(h, jnp.float32)
-    inputs = (conv, proj, a_log, dt_bias)
+    inputs = (rows_in, a_log, dt_bias)
     slot = jnp.zeros((), jnp.int32)  # a traced argument, as DecodeState.slot in the steps
     step = functools.partial(gdn_rows, key_heads=nk)
     fns = {rows: jax.jit(functools.partial(step, rows=rows), donate_argnums=0) for rows in (1, 2, 3, 4)}
@@ -136,7 +136,7 @@ def recurrent_cost(cfg, calls: int) -> dict:
     all_states, all_out = fns[4](jnp.asarray(states0), slot, *inputs)
     s, same = jnp.asarray(states0), True
     for i in range(4):
-        s, o = fns[1](s, slot, *(jnp.roll(x, -i, axis=0) for x in (conv, proj)), a_log, dt_bias)
+        s, o = fns[1](s, slot, jnp.roll(rows_in, -i, axis=0), a_log, dt_bias)
         same &= np.array_equal(bits(o[0]), bits(all_out[i])) and np.array_equal(bits(s[0]), bits(all_states[i]))
     out["rows_bit_identical"] = bool(same)
     return out

@@ -29,6 +29,7 @@ from jspec import checks
 from jspec.accept import greedy_choice
 from jspec.config import ModelConfig
 from jspec.models import family_module
+from jspec.models.hybrid import candidate_state, with_committed_state
 from jspec.models.layers import logits as logits_from_hidden
 from jspec.state import DecodeState, physical_length
 from pallas_kernels import ROW_TILE
@@ -104,7 +105,7 @@ class DraftModel:
         dtype = jnp.dtype(own["embed"].dtype)
         cache = family_module(self.cfg).init_cache(self.cfg, physical_length(state.max_len + ROW_TILE), dtype)
         saved = tuple(
-            {key: jnp.zeros((K_MAX,) + leaf.shape[1:], leaf.dtype) for key, leaf in layer.items()}
+            jax.tree.map(lambda leaf: jnp.zeros((K_MAX,) + leaf.shape, leaf.dtype), candidate_state(layer, 0))
             for layer in cache
             if isinstance(layer, dict)
         )
@@ -162,10 +163,10 @@ class DraftModel:
 
 
 def _save(saved: tuple, cache: tuple, index, slot) -> tuple:
-    """saved with entry `index` set to the recurrent state in candidate `slot` of each recurrent layer's cache."""
+    """saved with entry `index` set to each recurrent layer's `candidate_state` at `slot`."""
     layers = [layer for layer in cache if isinstance(layer, dict)]
     return tuple(
-        {key: store[key].at[index].set(layer[key][slot]) for key in store}
+        jax.tree.map(lambda kept, now: kept.at[index].set(now), store, candidate_state(layer, slot))
         for store, layer in zip(saved, layers, strict=True)
     )
 
@@ -178,6 +179,6 @@ def _restore(cache: tuple, saved: tuple, index) -> tuple:
     for layer in cache:
         if isinstance(layer, dict):
             store = next(stores)
-            layer = {key: layer[key].at[0].set(store[key][index]) for key in layer}
+            layer = with_committed_state(layer, jax.tree.map(lambda kept: kept[index], store))
         out.append(layer)
     return tuple(out)

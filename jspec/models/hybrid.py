@@ -12,9 +12,10 @@ Params (a plain dict pytree; every linear weight is dense [K, N] or an int4 `Int
              the conv channels), conv [W, 2 Kd + Vd] (tap W-1 = current input), A_log [nv] float32,
              dt_bias [nv] float32, gdn_norm [dv], out [Vd, H]
 Cache, one entry per layer: full attention kv [S, Hkv, 2, D] (keys, values) in the activation dtype; Gated DeltaNet
-  {"conv": [R, W-1, 2 Kd + Vd] activation dtype, "ssm": float32 [R, nv, dk, dv]} with R = ROW_TILE candidate slots:
-  slot `state.slot` holds the committed state; a row-tile step advances `rows` positions from it and leaves the
-  post-state after row i in slot i (each prefill chunk continues from slot 0 and leaves its final state there), so
+  {"conv": [R + W-2, 2 Kd + Vd] activation dtype, "ssm": float32 [R, nv, dk, dv]} with R = ROW_TILE candidate slots:
+  slot `state.slot` holds the committed state (its conv window: conv rows slot .. slot + W-2); a row-tile step
+  advances `rows` positions from it and leaves the post-state after row i in slot i (conv: the window ++ the tile's
+  inputs, less the first row), each prefill chunk continues from slot 0 and leaves its final state there, so
   `commit` rolls back by selecting.
 """
 
@@ -73,11 +74,24 @@ def init_cache(cfg: ModelConfig, length: int, dtype) -> tuple:
         kv_cache(cfg, length, dtype)
         if kind == FULL
         else dict(
-            conv=jnp.zeros((ROW_TILE, cfg.linear_conv_kernel_dim - 1, conv_dim), dtype),
+            conv=jnp.zeros((ROW_TILE + cfg.linear_conv_kernel_dim - 2, conv_dim), dtype),
             ssm=jnp.zeros(ssm_shape, jnp.float32),
         )
         for kind in cfg.layer_types
     )
+
+
+def candidate_state(layer: dict, slot) -> dict:
+    """A Gated DeltaNet layer's cache (`init_cache`) at candidate `slot` (int or int32 []): {"conv": its window
+    [W-1, C], "ssm": float32 [nv, dk, dv]}."""
+    width = layer["conv"].shape[0] - layer["ssm"].shape[0] + 2
+    return dict(conv=conv_window(layer["conv"], slot, width), ssm=layer["ssm"][slot])
+
+
+def with_committed_state(layer: dict, state: dict) -> dict:
+    """The layer's cache with candidate slot 0, where the next step starts, set to `state` (a `candidate_state`)."""
+    conv = jax.lax.dynamic_update_slice_in_dim(layer["conv"], state["conv"], 0, axis=0)
+    return dict(conv=conv, ssm=layer["ssm"].at[0].set(state["ssm"]))
 
 
 def attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache, run: Run):
@@ -120,30 +134,22 @@ def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, run: Run):
     if run.kind == FORWARD:
         window, state = jnp.zeros((width - 1, conv_dim), dtype), None
     elif run.kind == PREFILL:
-        window, state = cache["conv"][0], cache["ssm"][0]
+        window, state = conv_window(cache["conv"], 0, width), cache["ssm"][0]
     else:
-        window, state = cache["conv"][run.slot], None
+        window, state = conv_window(cache["conv"], run.slot, width), None
     conv, seq = causal_conv(window, mixed, p["conv"])
     conv = stored_values(conv, dtype)
-    if run.kind == STEP:  # a batch slot's tile may have fewer rows than the candidates (jspec.batch): pad it
-        pad = cache["ssm"].shape[0] - t
-        conv, proj = (jnp.pad(x, ((0, pad), (0, 0))) for x in (conv, proj))
-        ssm, out = gdn_rows(
-            cache["ssm"],
-            run.slot,
-            conv,
-            proj,
-            p["A_log"],
-            p["dt_bias"],
-            run.rows,
-            key_heads=nk,
-            gates_at=conv_dim + value_dim,
-        )
+    if run.kind == STEP:
+        f32 = jnp.float32
+        inputs = jnp.concatenate([conv, b.astype(f32), a.astype(f32)], axis=-1)
+        # a batch slot's tile may have fewer rows than the candidates (jspec.batch): pad it
+        inputs = jnp.pad(inputs, ((0, cache["ssm"].shape[0] - t), (0, 0)))
+        ssm, out = gdn_rows(cache["ssm"], run.slot, inputs, p["A_log"], p["dt_bias"], run.rows, key_heads=nk)
         out = out[:t]
-        # The window after every row of the tile, valid or not, so that nothing around the conv depends on the row
-        # count and XLA fuses it alike in decode and verify (docs/design.md, rule 7); commit selects a valid one.
-        windows = jnp.stack([conv_window(seq, i + 1, width) for i in range(t)])
-        cache = dict(conv=cache["conv"].at[:t].set(windows), ssm=ssm)
+        # Every row's window, valid or not: candidate slot i's is seq[i + 1 : i + W], so the cache keeps seq[1:] (no
+        # window is copied out; commit selects by slot) and nothing around the conv depends on the row count
+        # (docs/design.md, rule 7).
+        cache = dict(conv=jax.lax.dynamic_update_slice_in_dim(cache["conv"], seq[1:], 0, axis=0), ssm=ssm)
     else:
         q, k, v = gdn_columns(conv, nk, dk, dv)
         q, k = gdn_query_key(q, k)
@@ -155,7 +161,8 @@ def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, run: Run):
         out, state = chunk_gated_delta(q, k, v, g, beta, state=state)
         if run.kind == PREFILL:
             window = conv_window(seq, run.n_valid, width)
-            cache = dict(conv=cache["conv"].at[0].set(window), ssm=cache["ssm"].at[0].set(state))
+            conv_cache = jax.lax.dynamic_update_slice_in_dim(cache["conv"], window, 0, axis=0)
+            cache = dict(conv=conv_cache, ssm=cache["ssm"].at[0].set(state))
     out = _gated_norm(out.astype(dtype), z.reshape(t, nv, dv), p["gdn_norm"], cfg.rms_norm_eps)
     return row_parallel_linear(out.reshape(t, value_dim), p["out"], None, cfg), cache
 
