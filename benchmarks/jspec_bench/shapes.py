@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.config import ModelConfig
-from jspec.models import family_module, quantize_linears
+from jspec.models import family_module, hybrid, quantize_linears
 from jspec.models.mtp import init_mtp_params
 from jspec.state import init_state, physical_length
 from pallas_kernels import ROW_TILE, Int4Codes, Int4Halves, Int4Weight, quantize
@@ -219,9 +219,9 @@ def tree_nbytes(tree) -> int:
 def step_bytes(params: dict, cfg, state, rows: int) -> dict:
     """HBM bytes a step of `rows` rows (1: decode, k + 1: verify) moves: every weight but the embedding table (+ one
     embedding row; the whole table when the lm_head is tied), the KV rows 0..position + ROW_TILE - 1 of every
-    attention layer (the row tile's reach, whatever `rows`), and of every recurrent layer the one candidate state it
-    starts from (read) and the `rows` post-states it keeps (`state_writes`); the other candidate slots are not
-    touched. The MTP head is not read by decode/verify."""
+    attention layer (the row tile's reach, whatever `rows`), and of every recurrent layer the one candidate state
+    (recurrent state and conv window) it starts from (read) and the `rows` post-states and conv inputs it keeps
+    (`state_writes`); the other candidate slots are not touched. The MTP head is not read by decode/verify."""
     weights = sum(tree_nbytes(v) for key, v in params.items() if key not in ("embed", "mtp"))
     embed = params["embed"]
     weights += embed.nbytes if "lm_head" not in params else cfg.hidden_size * embed.dtype.itemsize
@@ -229,13 +229,14 @@ def step_bytes(params: dict, cfg, state, rows: int) -> dict:
     length = physical_length(state.max_len)
     reach = min(int(state.position) + ROW_TILE, length)
     cache = writes = 0
-    for leaf in jax.tree.leaves(state.cache):
-        if leaf.ndim >= 1 and leaf.shape[0] == length:
-            cache += reach * (leaf.nbytes // length)
-        else:  # a recurrent layer's ROW_TILE candidate slots (ssm state, conv window)
-            per_slot = leaf.nbytes // leaf.shape[0]
-            cache += per_slot
-            writes += rows * per_slot
+    for layer in state.cache:
+        if isinstance(layer, dict):  # a recurrent layer: the state it starts from, the rows' post-states and inputs
+            cache += tree_nbytes(hybrid.candidate_state(layer, 0))
+            writes += rows * (
+                layer["ssm"].nbytes // layer["ssm"].shape[0] + layer["conv"].nbytes // layer["conv"].shape[0]
+            )
+        else:
+            cache += reach * (layer.nbytes // length)
     return {
         "weights": int(weights),
         "cache": int(cache),
