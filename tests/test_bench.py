@@ -256,8 +256,9 @@ def test_kernel_times_sums_the_gpu_stream_kernels_per_call_and_group():
 
 
 def test_time_chains_interleaves_the_trials_and_chains_each_state():
-    """Each chain warms up once, then trial t times every chain, in reverse order on odd t; each chain's calls feed
-    it its own donated state, and its median is over its own trials."""
+    """Each chain warms up once, then trial t runs every chain, in reverse order on odd t: SETTLE_CALLS calls after
+    the switch, then the timed ones; each chain's calls feed it its own donated state, and its median is over its
+    own trials."""
     calls, seen = [], {"a": [], "b": []}
 
     def step(name):
@@ -270,10 +271,12 @@ def test_time_chains_interleaves_the_trials_and_chains_each_state():
 
     chains = {"a": (step("a"), 1, jnp.int32(0), (7,)), "b": (step("b"), 10, jnp.int32(100), (8,))}
     out = timing._time_chains(chains, reps=2, trials=3, warmup_s=0.0)
-    assert calls == ["a", "b"] + ["a"] * 2 + ["b"] * 2 + ["b"] * 2 + ["a"] * 2 + ["a"] * 2 + ["b"] * 2
-    assert seen == {"a": list(range(7)), "b": list(range(100, 170, 10))}  # each call gets its chain's last state
-    for key, (median, times, kernels) in out.items():
-        assert len(times) == 3 and median == sorted(times)[1] and kernels is None, key
+    trial = timing.SETTLE_CALLS + 2  # the calls after a switch, then the timed ones
+    assert calls == ["a", "b"] + ["a"] * trial + ["b"] * trial * 2 + ["a"] * trial * 2 + ["b"] * trial
+    assert seen == {"a": list(range(1 + 3 * trial)), "b": list(range(100, 110 + 30 * trial, 10))}  # its last state
+    for key, r in out.items():
+        assert len(r.trial_times) == 3 and r.seconds == sorted(r.trial_times)[1] and r.kernels is None, key
+        assert r.after_switch_s > 0 and 0 < r.dispatch_s, key
 
 
 def test_step_time_plot_is_drawn_from_a_gpu_run(tmp_path):

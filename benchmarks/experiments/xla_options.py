@@ -118,13 +118,14 @@ def main() -> None:
         chains[(name, "decode")] = (ex["decode"], params, copy_tree(base), ())
         chains[(name, verify)] = (ex[verify], params, copy_tree(base), (jnp.asarray(draft),))
     timings = _time_chains(chains, opts.reps, opts.trials, 0.5)
-    shipped_decode = timings[("shipped", "decode")][0] if ("shipped", "decode") in timings else None
+    shipped_decode = timings[("shipped", "decode")].seconds if ("shipped", "decode") in timings else None
     for name, ex in execs.items():
         res = out["variants"][name] = {"options": (compiler_options() or {}) | VARIANTS[name], "status": "done"}
         for step, rows in (("decode", 1), (verify, opts.k + 1)):
-            seconds, times, kernels = timings[(name, step)]
+            seconds, times, kernels, after_switch, dispatch = timings[(name, step)]
             read = step_bytes(params, cfg, base, rows)["total"]
             r = res[step] = {"time_s": seconds, "trial_times_s": times, "bytes": read}
+            r |= {"after_switch_time_s": after_switch, "dispatch_s": dispatch}
             if roof:
                 r["roofline_fraction"] = read / seconds / roof
             if kernels:

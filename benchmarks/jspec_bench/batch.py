@@ -208,8 +208,9 @@ def _round_alone(ctx: Context, engine: Engine, batch: list, n: int) -> dict:
     fn = jax.jit(one_round, donate_argnums=1)
     compiled = fn.lower(weights, state).compile()
     opts = ctx.opts
-    seconds, _, kernels = _time_chain(compiled, weights, state, (), opts.reps, opts.trials, opts.warmup_s)
-    out = {"ms": 1e3 * seconds, "gpu_kernels": kernels}
+    timed = _time_chain(compiled, weights, state, (), opts.reps, opts.trials, opts.warmup_s)
+    kernels = timed.kernels
+    out = {"ms": 1e3 * timed.seconds, "gpu_kernels": kernels}
     if kernels and "top_kernels_us" in kernels:  # where the round's XLA fusions come from
         out["top_kernels_source"] = describe_kernels(compiled.as_text(), kernels["top_kernels_us"])
     return out

@@ -99,10 +99,11 @@ def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: t
     entry["compiles_during_timing"] = ctx.compiles.count - count
 
     def timed(key: str, rows: int = 1) -> dict:
-        seconds, times, kernels = timings[key]
+        seconds, times, kernels, after_switch, dispatch = timings[key]
         exec_, weights, _, _ = chains[key]
         read = step_bytes(weights, cfg, base, rows)
         out = {"time_s": seconds, "trial_times_s": times, "bytes": read, "achieved_Bps": read["total"] / seconds}
+        out |= {"after_switch_time_s": after_switch, "dispatch_s": dispatch}
         if kernels:
             out["gpu_kernels"] = kernels
         if kernels and "top_kernels_us" in kernels:  # the executable's optimized HLO names its XLA fusions
@@ -114,7 +115,8 @@ def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: t
 
     entry["decode"] = timed("decode")
     decode_s = entry["decode"]["time_s"]
-    print(f"  {name} decode {decode_s * 1e3:.3f} ms {_pct(entry['decode'])}{_kernels(entry['decode'])}", flush=True)
+    switch = f"; right after a switch {entry['decode']['after_switch_time_s'] * 1e3:.3f} ms"
+    print(f"  {name} decode {decode_s * 1e3:.3f} ms {_pct(entry['decode'])}{switch}{_kernels(entry['decode'])}")
     if prepared:
         raw_entry = entry["decode_unprepared"] = timed("decode_unprepared")
         raw_entry["prepared_speedup"] = raw_entry["time_s"] / decode_s

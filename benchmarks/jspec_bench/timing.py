@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 
@@ -208,8 +209,27 @@ def profile(run: Callable[[], None]):
         return jax.profiler.ProfileData.from_file(str(path))
 
 
-def _time_chain(fn, params, state, extra: tuple, reps: int, trials: int, warmup_s: float):
-    """`_time_chains` of one step: (median seconds per call, trial times, GPU kernel times)."""
+# Untimed calls of a chain at the start of each of its trials, after the other chains' calls. On the H200 a
+# Qwen3.5 step timed right after another executable's calls ran 0.3-0.5 ms above its GPU kernels where a chain timed
+# alone ran ~0.1 ms above them (docs/performance.md): the calls after a switch are timed apart (`after_switch_s`).
+SETTLE_CALLS = 2
+
+
+class ChainTiming(NamedTuple):
+    """One chain's timing (`_time_chains`): seconds, the median per call over the trials; trial_times, each trial's
+    seconds per call; kernels, GPU kernel times of 3 more calls (`kernel_times`; None off the GPU); after_switch_s,
+    the median per call of each trial's SETTLE_CALLS untimed calls, made right after another chain's; dispatch_s,
+    the median over trials of the host's time to enqueue a call (the wall of a trial's calls before it blocks)."""
+
+    seconds: float
+    trial_times: list
+    kernels: dict | None
+    after_switch_s: float
+    dispatch_s: float
+
+
+def _time_chain(fn, params, state, extra: tuple, reps: int, trials: int, warmup_s: float) -> ChainTiming:
+    """`_time_chains` of one step."""
     return _time_chains({0: (fn, params, state, extra)}, reps, trials, warmup_s)[0]
 
 
@@ -219,29 +239,37 @@ def _time_chains(chains: dict, reps: int, trials: int, warmup_s: float) -> dict:
     calls of each (at least one: on the H200 the first timed trials of a step ran up to 30% slow after a single
     warm-up call, docs/performance.md). The chains' trials interleave (trial t times every chain, in reverse order
     on odd t), so a drift of the clocks over the run reaches every chain alike rather than the one timed last: the
-    ratios of their medians are what a run compares. Returns {key: (median, its trial times, the GPU kernel times
-    of 3 more calls under the XLA profiler (`kernel_times`; None off the GPU))}."""
+    ratios of their medians are what a run compares. Each trial of a chain starts with SETTLE_CALLS calls timed apart
+    (the cost of a switch between executables is not a step's). Returns {key: ChainTiming}."""
     states = {key: state for key, (_, _, state, _) in chains.items()}  # each chain's latest (donated) state
 
-    def calls(key, n: int) -> None:
+    def calls(key, n: int) -> float:
+        """n chained calls, blocked on at the end; returns the seconds the host took to enqueue them."""
         fn, params, _, extra = chains[key]
         state = states[key]
+        t0 = time.perf_counter()
         for _ in range(n):
             state, out = fn(params, state, *extra)
+        enqueued = time.perf_counter() - t0
         states[key] = state
         jax.block_until_ready((state, out))
+        return enqueued
 
     for key in chains:
         end = time.perf_counter() + warmup_s
         calls(key, 1)
         while time.perf_counter() < end:
             calls(key, 1)
-    times = {key: [] for key in chains}
+    times, switch, dispatch = ({key: [] for key in chains} for _ in range(3))
     for t in range(trials):
         for key in list(chains)[:: -1 if t % 2 else 1]:
             t0 = time.perf_counter()
-            calls(key, reps)
-            times[key].append((time.perf_counter() - t0) / reps)
+            calls(key, SETTLE_CALLS)
+            t1 = time.perf_counter()
+            enqueued = calls(key, reps)
+            times[key].append((time.perf_counter() - t1) / reps)
+            switch[key].append((t1 - t0) / SETTLE_CALLS)
+            dispatch[key].append(enqueued / reps)
     out = {}
     for key in chains:
         kernels = None
@@ -250,5 +278,6 @@ def _time_chains(chains: dict, reps: int, trials: int, warmup_s: float) -> dict:
                 kernels = kernel_times(profile(functools.partial(calls, key, 3)), 3)
             except Exception as e:  # the profiler is an add-on (another tool may hold CUPTI): record why, keep timing
                 kernels = {"error": _error_text(e)}
-        out[key] = (statistics.median(times[key]), times[key], kernels)
+        median = statistics.median
+        out[key] = ChainTiming(median(times[key]), times[key], kernels, median(switch[key]), median(dispatch[key]))
     return out
