@@ -116,7 +116,10 @@ def measure_steps(ctx: Context, name: str, params: dict, cfg: ModelConfig, ks: t
     entry["decode"] = timed("decode")
     decode_s = entry["decode"]["time_s"]
     switch = f"; right after a switch {entry['decode']['after_switch_time_s'] * 1e3:.3f} ms"
-    print(f"  {name} decode {decode_s * 1e3:.3f} ms {_pct(entry['decode'])}{switch}{_kernels(entry['decode'])}")
+    print(
+        f"  {name} decode {decode_s * 1e3:.3f} ms {_pct(entry['decode'])}{switch}{_kernels(entry['decode'])}",
+        flush=True,
+    )
     if prepared:
         raw_entry = entry["decode_unprepared"] = timed("decode_unprepared")
         raw_entry["prepared_speedup"] = raw_entry["time_s"] / decode_s
