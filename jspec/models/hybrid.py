@@ -15,8 +15,8 @@ Cache, one entry per layer: full attention kv [S, Hkv, 2, D] (keys, values) in t
   {"conv": [R + W-2, 2 Kd + Vd] activation dtype, "ssm": float32 [R, nv, dk, dv]} with R = ROW_TILE candidate slots:
   slot `state.slot` holds the committed state (its conv window: conv rows slot .. slot + W-2); a row-tile step
   advances `rows` positions from it and leaves the post-state after row i in slot i (conv: the window ++ the tile's
-  inputs, less the first row), each prefill chunk continues from slot 0 and leaves its final state there, so
-  `commit` rolls back by selecting.
+  inputs, less the first row), so `commit` rolls back by selecting; each prefill chunk continues from slot 0 and
+  leaves its final state there.
 """
 
 from __future__ import annotations
