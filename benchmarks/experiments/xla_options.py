@@ -9,7 +9,10 @@ Variants (added to the shipped options; a variant XLA does not know fails to com
 - triton_multi_output: xla_gpu_unsupported_enable_triton_multi_output_fusion, so a Triton normalization fusion
   (every RMSNorm of the step) may take the residual add before it as a second root: one launch instead of two;
 - heroless: xla_gpu_experimental_enable_triton_heroless_priority_fusion, Triton fusions for the elementwise glue;
-- both: the two.
+- both: the two;
+- no_command_buffer: no CUDA graphs (xla_gpu_enable_command_buffer empty): the host's enqueue time per call
+  (`dispatch_s`) and the cost of a call right after another executable's (`after_switch_time_s`) with every kernel
+  launched one by one, against the shipped graphs (a 27B-class verify call took 6.3-6.6 ms to enqueue at 212230f).
 
 Run: experiments/results/xla_options_qwen35_h200.json (1ce7bae, Qwen3.5 text shape): multi-output fusion changed no
 fusion (479 launches, kernels 2.55 against 2.57 ms); heroless fusions made 700 launches and +0.36 ms of kernels (both
@@ -17,6 +20,7 @@ variants: 676, +0.34 ms); every variant's verify rows bitwise equal to its decod
 0.4-0.9 ms above the kernels: 8 executables interleaved without settle calls (`timing.SETTLE_CALLS`, added after).
 
     python3 benchmarks/experiments/xla_options.py --commit SHA --out $OUT/xla_options_qwen35_h200.json
+    python3 benchmarks/experiments/xla_options.py --model hybrid-27b --variants shipped,no_command_buffer --out ...
     python3 benchmarks/experiments/xla_options.py --quick --out /tmp/xla_options_cpu.json
 """
 
@@ -48,7 +52,14 @@ from pallas_kernels.prepare import prepare_params  # noqa: E402
 
 MULTI_OUTPUT = {"xla_gpu_unsupported_enable_triton_multi_output_fusion": True}
 HEROLESS = {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True}
-VARIANTS = {"shipped": {}, "triton_multi_output": MULTI_OUTPUT, "heroless": HEROLESS, "both": MULTI_OUTPUT | HEROLESS}
+NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}
+VARIANTS = {
+    "shipped": {},
+    "triton_multi_output": MULTI_OUTPUT,
+    "heroless": HEROLESS,
+    "both": MULTI_OUTPUT | HEROLESS,
+    "no_command_buffer": NO_GRAPHS,
+}
 
 
 def roofline_Bps() -> float:
@@ -67,7 +78,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--model", default="qwen3.5")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default="shipped,triton_multi_output,heroless,both", help=f"of {list(VARIANTS)}")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--context", type=int, default=384)
     ap.add_argument("--reps", type=int, default=20)
