@@ -43,7 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jspec.engine import compiler_options  # noqa: E402
-from jspec_bench.roofline import _torch_sum_Bps, _xla_sum_Bps  # noqa: E402
+from jspec_bench.roofline import measure_roofline  # noqa: E402
 from jspec_bench.shapes import copy_tree, model_config, random_int4_params, random_state, step_bytes  # noqa: E402
 from jspec_bench.steps import _bitwise_check, lower_steps  # noqa: E402
 from jspec_bench.timing import _time_chains, run_parallel  # noqa: E402
@@ -60,17 +60,6 @@ VARIANTS = {
     "both": MULTI_OUTPUT | HEROLESS,
     "no_command_buffer": NO_GRAPHS,
 }
-
-
-def roofline_Bps() -> float:
-    """The best of XLA's and torch's bf16 sum over 2 GiB (the bench's roofline section), bytes per second."""
-    n = 2**30
-    best = _xla_sum_Bps(n)
-    try:
-        best = max(best, _torch_sum_Bps(n, "cuda"))
-    except Exception as e:  # torch is optional: XLA's sum alone is a (slightly lower) roofline
-        print(f"torch roofline unavailable: {e!r}")
-    return best
 
 
 def main() -> None:
@@ -100,17 +89,20 @@ def main() -> None:
         },
         "variants": {},
     }
-    roof = roofline_Bps() if on_gpu else None
-    out["meta"]["roofline_Bps"] = roof
+    roof = None
+    if on_gpu:  # the bench's roofline section over 2 GiB
+        out["meta"]["roofline"] = measure_roofline(2**31)
+        roof = out["meta"]["roofline"]["roofline_Bps"]
     cfg = model_config(opts.model, opts.quick)
     params = random_int4_params(cfg, 0, True)
     params = prepare_params(params, "bfloat16", get_backend())
     base = random_state(cfg, opts.context + 2 * ROW_TILE, opts.context, jnp.bfloat16, 1)
     draft = np.random.default_rng(2).integers(0, cfg.vocab_size, (opts.k,)).astype(np.int32)
     lowered = lower_steps(params, cfg, base, {opts.k: draft})
+    options = {name: (compiler_options() or {}) | VARIANTS[name] for name in opts.variants.split(",")}
     tasks = {
-        (name, key): functools.partial(low.compile, compiler_options=(compiler_options() or {}) | VARIANTS[name])
-        for name in opts.variants.split(",")
+        (name, key): functools.partial(low.compile, compiler_options=options[name])
+        for name in options
         for key, low in lowered.items()
     }
     try:
@@ -136,7 +128,7 @@ def main() -> None:
     timings = _time_chains(chains, opts.reps, opts.trials, 0.5)
     shipped_decode = timings[("shipped", "decode")].seconds if ("shipped", "decode") in timings else None
     for name, ex in execs.items():
-        res = out["variants"][name] = {"options": (compiler_options() or {}) | VARIANTS[name], "status": "done"}
+        res = out["variants"][name] = {"options": options[name], "status": "done"}
         for step, rows in (("decode", 1), (verify, opts.k + 1)):
             seconds, times, kernels, after_switch, dispatch = timings[(name, step)]
             read = step_bytes(params, cfg, base, rows)["total"]

@@ -11,12 +11,19 @@ from jspec_bench.timing import BATCH, _median_wall, torch_median
 
 
 def section_roofline(ctx: Context, sec: dict) -> None:
-    """Best HBM read bandwidth of torch `x.sum()` and XLA `jnp.sum` over a bf16 array of opts.roofline_bytes.
+    """The roofline of opts.roofline_bytes (`measure_roofline`) into sec and ctx.roofline_Bps."""
+    sec.update(measure_roofline(ctx.opts.roofline_bytes))
+    ctx.roofline_Bps = sec["roofline_Bps"]
+    print(f"  roofline {sec['roofline_Bps'] / 1e12:.3f} TB/s ({sec['best']}; xla {sec['xla_sum_Bps'] / 1e12:.3f})")
+
+
+def measure_roofline(nbytes: int) -> dict:
+    """Best HBM read bandwidth of torch `x.sum()` and XLA `jnp.sum` over a bf16 array of nbytes: the section's
+    fields (`roofline_Bps` the best, `best` whose it is, each one's figure, torch's device and version or error).
 
     Each is timed over BATCH back-to-back calls (so host dispatch overlaps), median of 5 such trials."""
-    n = ctx.opts.roofline_bytes // 2
-    sec["bytes"] = 2 * n
-    sec["xla_sum_Bps"] = _xla_sum_Bps(n)
+    n = nbytes // 2
+    sec = {"bytes": 2 * n, "xla_sum_Bps": _xla_sum_Bps(n)}
     try:
         import torch
 
@@ -31,8 +38,7 @@ def section_roofline(ctx: Context, sec: dict) -> None:
     best = max(("xla_sum_Bps", "torch_sum_Bps"), key=lambda k: sec.get(k, 0.0))
     sec["roofline_Bps"] = sec[best]
     sec["best"] = best.removesuffix("_Bps")
-    ctx.roofline_Bps = sec["roofline_Bps"]
-    print(f"  roofline {sec['roofline_Bps'] / 1e12:.3f} TB/s ({sec['best']}; xla {sec['xla_sum_Bps'] / 1e12:.3f})")
+    return sec
 
 
 def _xla_sum_Bps(n: int) -> float:
