@@ -16,6 +16,9 @@ once (an XLA loop makes several passes over the state per row).
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -32,6 +35,7 @@ BLOCK_V = 32  # value columns per program of the recurrent kernel (state block [
 # 8 columns cost 1.83 / 4.2 us (benchmarks/experiments/results/recurrent_variants_qwen35_h200.json).
 STATE_BLOCK_BYTES = 128 * 1024
 NUM_WARPS = 1  # Triton warps per program
+CACHE_CHUNK = 16  # conv cache columns a program of the recurrent kernel writes at a time (`cache_chunk`)
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -111,16 +115,23 @@ def gdn_step(state, q, k, v, g, beta):
     return state, jnp.sum(state * q[:, None], axis=0)
 
 
-def gdn_rows(states, slot, inputs, a_log, dt_bias, rows: int, *, key_heads: int):
+def gdn_rows(cache, slot, inputs, a_log, dt_bias, rows: int, *, key_heads: int):
     """Advance the first `rows` rows of a row tile from candidate state `slot`, keeping every post-state.
 
-    states float32 [R, h, dk, dv]: candidate post-states, states[slot] the committed one. inputs float32 [R, 2 nk dk
-    + h dv + 2 h]: per row the conv's output (query | key | value columns; nk = key_heads key heads, value head i
-    reads key head i // (h // nk)), then the in_proj's gate columns b and a (h each); a_log, dt_bias [h]. The
-    recurrence's inputs (`gdn_query_key`, `gdn_gates`) are computed per row inside the loop, so no XLA arithmetic
-    stands between the conv, the in_proj and the recurrence (the gate columns only change dtype, exactly, on their way
-    into `inputs`). R = ROW_TILE, the full row tile. Returns (states with the post-state after row i in slot i for
-    i < rows, out float32 [R, h, dv] with rows >= `rows` zero).
+    cache: a Gated DeltaNet layer's candidate states, {"ssm": float32 [R, h, dk, dv] (ssm[slot] the committed
+    recurrent state), "conv": [R + W - 2, C] (candidate slot s's conv window: rows s .. s + W - 2), C = 2 nk dk + h dv}.
+    inputs float32 [R, 2 C + 2 h]: per row the conv's output (query | key | value columns; nk = key_heads key heads,
+    value head i reads key head i // (h // nk)), the in_proj's gate columns b and a (h each), then the conv's inputs
+    (C columns, the values the conv cache holds); a_log, dt_bias [h]. The recurrence's inputs (`gdn_query_key`,
+    `gdn_gates`) are computed per row inside the loop, so no XLA arithmetic stands between the conv, the in_proj and
+    the recurrence (the gate columns only change dtype, exactly, on their way into `inputs`). R = ROW_TILE, the full
+    row tile. Returns (cache, out float32 [R, h, dv] with rows >= `rows` zero): ssm with the post-state after row i
+    in slot i for i < rows; conv = slot's window less its first row ++ the R rows' inputs, valid or not, so candidate
+    slot i's window is the one after row i (docs/design.md, rule 7: nothing written depends on the row count).
+
+    The conv cache is written here, in place, rather than by an XLA op after the kernel: a whole-buffer write that
+    reads the same buffer at another offset cannot run in place, so XLA wrote it to a temporary and copied it back,
+    two launches a layer (docs/kernels.md, "Gated DeltaNet row step").
 
     `rows` is static, but the loop gets it as a runtime value hidden behind an optimization barrier: decode (1 row)
     and verify (k + 1 rows) run the very same compiled loop body, a fusion boundary for XLA, so row i's arithmetic
@@ -129,21 +140,28 @@ def gdn_rows(states, slot, inputs, a_log, dt_bias, rows: int, *, key_heads: int)
     decode commit set it to 0), see a trip count of 1, inline the loop body and fuse it differently; on XLA:CPU
     that changed which product of `exp(g) S + k u^T` is contracted into an FMA (interpret mode).
     """
+    states, conv = cache["ssm"], cache["conv"]
     r, h, dk, dv = states.shape
     if not 1 <= rows <= r or inputs.shape[0] != r:
         raise ValueError(f"rows={rows} must be in 1..{r} and the tile must have {r} rows, got {inputs.shape[0]}")
-    columns = 2 * key_heads * dk + h * dv + 2 * h
-    if h % key_heads or inputs.shape[1] != columns:
+    channels = 2 * key_heads * dk + h * dv
+    if h % key_heads or inputs.shape[1] != 2 * channels + 2 * h:
         raise ValueError(
-            f"gdn_rows: {h} value heads of {dk} x {dv} over {key_heads} key heads need {columns} input columns "
-            f"(query | key | value | b | a), got {inputs.shape[1]}"
+            f"gdn_rows: {h} value heads of {dk} x {dv} over {key_heads} key heads need {2 * channels + 2 * h} input "
+            f"columns (query | key | value | b | a | conv inputs), got {inputs.shape[1]}"
+        )
+    if conv.shape[1] != channels or conv.shape[0] < r:
+        raise ValueError(
+            f"gdn_rows: the conv cache must be [{r} + W - 2, {channels}] ({r} candidate slots), got {conv.shape}"
         )
     slot, count = jax.lax.optimization_barrier((slot, jnp.asarray(rows, jnp.int32)))
     name = _backend.get_backend()
-    args = (states, slot, inputs.astype(jnp.float32), a_log, dt_bias, count, key_heads)
+    args = (states, conv, slot, inputs.astype(jnp.float32), a_log, dt_bias, count, key_heads)
     if name == "reference":
-        return _rows_reference(*args)
-    return _rows_pallas(*args, interpret=name == "interpret")
+        states, conv, out = _rows_reference(*args)
+    else:
+        states, conv, out = _rows_pallas(*args, interpret=name == "interpret")
+    return dict(conv=conv, ssm=states), out
 
 
 def _row_inputs(q, k, v, a, b, a_log, dt_bias):
@@ -154,9 +172,13 @@ def _row_inputs(q, k, v, a, b, a_log, dt_bias):
     return q, k, v.astype(jnp.float32), g, beta
 
 
-def _rows_reference(states, slot, inputs, a_log, dt_bias, count, key_heads):
+def _rows_reference(states, conv_cache, slot, inputs, a_log, dt_bias, count, key_heads):
     r, h, dk, dv = states.shape
-    conv, b, a = jnp.split(inputs, [inputs.shape[1] - 2 * h, inputs.shape[1] - h], axis=-1)
+    channels = conv_cache.shape[1]
+    conv, b, a, raw = jnp.split(inputs, [channels, channels + h, channels + 2 * h], axis=-1)
+    keep = conv_cache.shape[0] - r  # W - 2 rows of the committed window stay
+    window = jax.lax.dynamic_slice_in_dim(conv_cache, slot + 1, keep, axis=0)
+    conv_cache = jnp.concatenate([window, raw.astype(conv_cache.dtype)], axis=0)
     q, k, v = gdn_columns(conv, key_heads, dk, dv)
     q, k = (jnp.repeat(x, h // key_heads, axis=1) for x in (q, k))
 
@@ -168,15 +190,35 @@ def _rows_reference(states, slot, inputs, a_log, dt_bias, count, key_heads):
 
     init = (jax.lax.dynamic_index_in_dim(states, slot, keepdims=False), states, jnp.zeros((r, h, dv), jnp.float32))
     _, states, out = jax.lax.fori_loop(0, count, body, init)
-    return states, out
+    return states, conv_cache, out
 
 
-def _rows_kernel(slot_ref, count_ref, s_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dt_ref, s_out, o_ref):
+def _rows_kernel(
+    slot_ref,
+    count_ref,
+    s_ref,
+    c_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    a_ref,
+    b_ref,
+    x_ref,
+    alog_ref,
+    dt_ref,
+    s_out,
+    c_out,
+    o_ref,
+    *,
+    grid: tuple[int, int],
+):
     """One (value head, dv block) program: s_ref/s_out [R, dk, BV] (aliased), q_ref/k_ref [R, dk] (its key head's
-    columns), v_ref/o_ref [R, BV], a_ref/b_ref [R], alog_ref/dt_ref [1]. The state stays in registers across
-    the rows; each post-state is stored once. A row's inputs do not depend on the state, so row i + 1's are loaded
-    and prepared (`_row_inputs`) before row i computes: off the rows' sequential chain (the same values, so the same
-    bits)."""
+    columns), v_ref/o_ref [R, BV], a_ref/b_ref [R], alog_ref/dt_ref [1]; c_ref/c_out the whole conv cache
+    [R + W - 2, C] (aliased) and x_ref the whole inputs [R, 2 C + 2 h], for `_write_conv_cache`. The state stays in
+    registers across the rows; each post-state is stored once. A row's inputs do not depend on the state, so row
+    i + 1's are loaded and prepared (`_row_inputs`) before row i computes: off the rows' sequential chain (the same
+    values, so the same bits)."""
+    _write_conv_cache(slot_ref[0], c_ref, x_ref, c_out, grid=grid)
     o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
     last = q_ref.shape[0] - 1
     a_log, dt_bias = alog_ref[0], dt_ref[0]
@@ -195,6 +237,37 @@ def _rows_kernel(slot_ref, count_ref, s_ref, q_ref, k_ref, v_ref, a_ref, b_ref, 
     jax.lax.fori_loop(0, count_ref[0], step, (s_ref[slot_ref[0]], inputs(0)))
 
 
+def _write_conv_cache(slot, c_ref, x_ref, c_out, *, grid: tuple[int, int]):
+    """This program's share of the conv cache's new contents, [window rows slot + 1 .. slot + W - 2 ++ the tile's R
+    rows of conv inputs (x_ref's last C columns)]: column chunks p, p + P, ... of `cache_chunk` columns, p this
+    program's index in the (static) grid of P programs. No other program touches these columns, and a chunk's
+    window is read before any of its rows is written."""
+    rows, channels = c_ref.shape
+    r = x_ref.shape[0]
+    keep = rows - r  # W - 2
+    width = cache_chunk(channels)
+    chunks, programs = channels // width, grid[0] * grid[1]
+    program = pl.program_id(0) * grid[1] + pl.program_id(1)
+    raw_at = x_ref.shape[1] - channels
+
+    def write(chunk):
+        cols = pl.ds(pl.multiple_of(chunk * width, width), width)
+        window = [c_ref[slot + 1 + i, cols] for i in range(keep)]
+        for i, row in enumerate(window):
+            c_out[i, cols] = row
+        c_out[pl.ds(keep, r), cols] = x_ref[:, pl.ds(raw_at + chunk * width, width)].astype(c_out.dtype)
+
+    for t in range(-(-chunks // programs)):
+        chunk = program + t * programs
+        pl.when(chunk < chunks)(functools.partial(write, chunk))
+
+
+def cache_chunk(channels: int) -> int:
+    """Columns of the conv cache a program writes at a time: the largest power of 2 up to CACHE_CHUNK that divides
+    `channels` (Triton's loads and stores take power-of-2 shapes)."""
+    return math.gcd(channels, CACHE_CHUNK)
+
+
 def state_block_columns(r: int, dk: int, dv: int) -> int:
     """Value columns per program of the recurrent kernel for an r-row tile: BLOCK_V (at most dv), halved until the
     program's candidate-state block [r, dk, columns] float32 fits STATE_BLOCK_BYTES."""
@@ -204,12 +277,13 @@ def state_block_columns(r: int, dk: int, dv: int) -> int:
     return block_v
 
 
-def _rows_pallas(states, slot, inputs, a_log, dt_bias, count, key_heads, *, interpret: bool):
+def _rows_pallas(states, conv_cache, slot, inputs, a_log, dt_bias, count, key_heads, *, interpret: bool):
     r, h, dk, dv = states.shape
     group = h // key_heads
     block_v = state_block_columns(r, dk, dv)
     if dv % block_v or dk & (dk - 1) or block_v & (block_v - 1):
         raise ValueError(f"the recurrent kernel needs power-of-2 dk and dv blocks, got dk={dk}, dv={dv}")
+    grid = (h, dv // block_v)
     values_at = 2 * key_heads * dk // block_v  # the first value column, in blocks of block_v
     gates_at = 2 * key_heads * dk + h * dv  # b's first column (a's follow)
     scalar = pl.BlockSpec((1,), lambda *_: (0,))
@@ -221,18 +295,25 @@ def _rows_pallas(states, slot, inputs, a_log, dt_bias, count, key_heads, *, inte
     b_spec = pl.BlockSpec((r, None), lambda i, j: (0, gates_at + i))
     a_spec = pl.BlockSpec((r, None), lambda i, j: (0, gates_at + h + i))
     head_spec = pl.BlockSpec((1,), lambda i, j: (i,))
+    cache_spec = pl.BlockSpec(conv_cache.shape, lambda i, j: (0, 0))  # each program writes its columns (above)
+    inputs_spec = pl.BlockSpec(inputs.shape, lambda i, j: (0, 0))
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
 
         params = pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
-    return pl.pallas_call(
-        _rows_kernel,
-        grid=(h, dv // block_v),
-        in_specs=[scalar, scalar, state_spec, q_spec, k_spec, v_spec, a_spec, b_spec, head_spec, head_spec],
-        out_specs=[state_spec, out_spec],
-        out_shape=[jax.ShapeDtypeStruct(states.shape, jnp.float32), jax.ShapeDtypeStruct((r, h, dv), jnp.float32)],
-        input_output_aliases={2: 0},
+    states, conv_cache, out = pl.pallas_call(
+        functools.partial(_rows_kernel, grid=grid),
+        grid=grid,
+        in_specs=[scalar, scalar, state_spec, cache_spec, q_spec, k_spec, v_spec, a_spec, b_spec, inputs_spec]
+        + [head_spec] * 2,
+        out_specs=[state_spec, cache_spec, out_spec],
+        out_shape=[
+            jax.ShapeDtypeStruct(states.shape, jnp.float32),
+            jax.ShapeDtypeStruct(conv_cache.shape, conv_cache.dtype),
+            jax.ShapeDtypeStruct((r, h, dv), jnp.float32),
+        ],
+        input_output_aliases={2: 0, 3: 1},
         compiler_params=params,
         interpret=interpret,
         name="jspec_gdn_rows",
@@ -240,10 +321,12 @@ def _rows_pallas(states, slot, inputs, a_log, dt_bias, count, key_heads, *, inte
         jnp.reshape(slot, (1,)).astype(jnp.int32),
         jnp.reshape(count, (1,)),
         states,
-        *[inputs] * 5,  # one array, read through five block specs (query, key, value, a, b columns)
+        conv_cache,
+        *[inputs] * 6,  # one array, read through six block specs (query, key, value, a, b columns; the whole)
         a_log,
         dt_bias,
     )
+    return states, conv_cache, out
 
 
 def chunk_gated_delta(q, k, v, g, beta, chunk: int = CHUNK, state=None):

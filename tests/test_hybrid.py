@@ -216,62 +216,75 @@ def test_commit_selects_the_post_state():
 GDN_BACKENDS = ["reference", "interpret", pytest.param("pallas", marks=ON_GPU_ONLY)]
 
 
-def _gdn_inputs(seed: int, h: int = 4, nk: int = 2, dk: int = 16, dv: int = 32):
-    """Random gdn_rows inputs for a full row tile: (states [R, h, dk, dv], inputs [R, 2 nk dk + h dv + 2 h] (conv
-    columns, then b, then a), a_log, dt_bias [h]), float32."""
+def _gdn_inputs(seed: int, h: int = 4, nk: int = 2, dk: int = 16, dv: int = 32, width: int = 4):
+    """Random gdn_rows inputs for a full row tile: (cache {"ssm": float32 [R, h, dk, dv], "conv": bfloat16
+    [R + W - 2, C]}, inputs float32 [R, 2 C + 2 h] (conv output columns, b, a, then conv inputs: bfloat16 values),
+    a_log, dt_bias [h]), C = 2 nk dk + h dv."""
     rng = np.random.default_rng(seed)
-    r = ROW_TILE
+    r, channels = ROW_TILE, 2 * nk * dk + h * dv
     states = jnp.asarray(rng.normal(size=(r, h, dk, dv)), jnp.float32)
-    inputs = jnp.asarray(rng.normal(size=(r, 2 * nk * dk + h * dv + 2 * h)), jnp.float32)
+    conv = jnp.asarray(rng.normal(size=(r + width - 2, channels)), jnp.bfloat16)
+    raw = jnp.asarray(rng.normal(size=(r, channels)), jnp.bfloat16).astype(jnp.float32)
+    inputs = jnp.concatenate([jnp.asarray(rng.normal(size=(r, channels + 2 * h)), jnp.float32), raw], axis=1)
     a_log = jnp.asarray(np.log(rng.uniform(0.5, 4.0, h)), jnp.float32)
     dt_bias = jnp.asarray(rng.normal(size=h), jnp.float32)
-    return states, inputs, a_log, dt_bias
+    return dict(conv=conv, ssm=states), inputs, a_log, dt_bias
 
 
 def _gdn_rows(rows: int, nk: int = 2):
-    """gdn_rows over `_gdn_inputs`' layout, jitted: (states, slot, inputs, a_log, dt_bias) -> (states, out)."""
+    """gdn_rows over `_gdn_inputs`' layout, jitted: (cache, slot, inputs, a_log, dt_bias) -> (cache, out)."""
     return jax.jit(functools.partial(gdn_rows, rows=rows, key_heads=nk))
+
+
+def _same_bits(a, b) -> bool:
+    return all(np.array_equal(bits(x), bits(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
 @pytest.mark.parametrize("backend", GDN_BACKENDS)
 def test_gdn_rows_row_invariant(backend):
-    """One call over 16 rows == 16 one-row calls chained through slot 0, bit for bit; kernel == reference."""
+    """One call over 16 rows == 16 one-row calls chained through slot 0, bit for bit, recurrent state, conv window
+    and output alike; kernel == reference (the conv cache, pure data movement, bit for bit)."""
     r = ROW_TILE
-    states, inputs, a_log, dt_bias = _gdn_inputs(1)
+    cache, inputs, a_log, dt_bias = _gdn_inputs(1)
     with use_backend(backend):  # the backend is read at trace time: a fresh jit per backend
-        all_states, all_out = _gdn_rows(r)(states, 5, inputs, a_log, dt_bias)
-        s, slot, one_row = states, 5, _gdn_rows(1)
+        all_cache, all_out = _gdn_rows(r)(cache, 5, inputs, a_log, dt_bias)
+        c, slot, one_row = cache, 5, _gdn_rows(1)
         for i in range(r):
-            s, out = one_row(s, slot, jnp.roll(inputs, -i, axis=0), a_log, dt_bias)
+            c, out = one_row(c, slot, jnp.roll(inputs, -i, axis=0), a_log, dt_bias)
             slot = 0
             assert np.array_equal(bits(out[0]), bits(all_out[i])) and not np.any(np.asarray(out[1:]))
-            assert np.array_equal(bits(s[0]), bits(all_states[i]))
+            assert _same_bits(hybrid.candidate_state(c, 0), hybrid.candidate_state(all_cache, i))
     with use_backend("reference"):
-        ref_states, ref_out = _gdn_rows(r)(states, 5, inputs, a_log, dt_bias)
+        ref_cache, ref_out = _gdn_rows(r)(cache, 5, inputs, a_log, dt_bias)
+    assert np.array_equal(bits(all_cache["conv"]), bits(ref_cache["conv"]))
     np.testing.assert_allclose(all_out, ref_out, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(all_states, ref_states, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(all_cache["ssm"], ref_cache["ssm"], rtol=1e-5, atol=1e-5)
 
 
 def test_gdn_rows_computes_the_recurrence_of_its_raw_inputs():
     """The reference backend == gdn_step applied row by row to the prepared inputs (value head i on key head
-    i // 2: the query / key columns repeated, L2-normalised, q scaled; g and beta from the gate columns)."""
-    nk, dk, h, dv, rows = 2, 16, 4, 32, 5
-    states, inputs, a_log, dt_bias = _gdn_inputs(2)
+    i // 2: the query / key columns repeated, L2-normalised, q scaled; g and beta from the gate columns); the conv
+    cache == the slot's window less its first row ++ the tile's conv inputs."""
+    nk, dk, h, dv, rows, slot = 2, 16, 4, 32, 5, 3
+    cache, inputs, a_log, dt_bias = _gdn_inputs(2)
     with use_backend("reference"):
-        got_states, got_out = _gdn_rows(rows)(states, 3, inputs, a_log, dt_bias)
-    conv, b, a = inputs[:, : -2 * h], inputs[:, -2 * h : -h], inputs[:, -h:]
+        got, got_out = _gdn_rows(rows)(cache, slot, inputs, a_log, dt_bias)
+    channels = 2 * nk * dk + h * dv
+    conv, b, a = inputs[:, :channels], inputs[:, channels : channels + h], inputs[:, channels + h : channels + 2 * h]
     q, k = (
         jnp.repeat(x.reshape(-1, nk, dk), h // nk, axis=1) for x in (conv[:, : nk * dk], conv[:, nk * dk : 2 * nk * dk])
     )
     q, k = gdn_query_key(q, k)
     v = conv[:, 2 * nk * dk :].reshape(-1, h, dv)
     g, beta = gdn_gates(a, b, a_log, dt_bias)
-    state = states[3]
+    state = cache["ssm"][slot]
     for i in range(rows):
         state, out = jax.vmap(gdn_step)(state, q[i], k[i], v[i], g[i], beta[i])
         np.testing.assert_allclose(got_out[i], out, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(got_states[i], state, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got["ssm"][i], state, rtol=1e-5, atol=1e-5)
     assert not np.any(np.asarray(got_out[rows:]))
+    want_conv = np.concatenate([np.asarray(cache["conv"][slot + 1 : slot + 3]), np.asarray(inputs[:, -channels:])])
+    assert np.array_equal(bits(got["conv"]), bits(want_conv.astype(jnp.bfloat16)))
 
 
 def test_gdn_gates_match_the_transformers_formula():
@@ -289,17 +302,25 @@ def test_gdn_gates_match_the_transformers_formula():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(key_heads=3), "over 3 key heads need 232 input columns (query | key | value | b | a), got 200"),
-        (dict(columns=199), "over 2 key heads need 200 input columns (query | key | value | b | a), got 199"),
+        (
+            dict(key_heads=3),
+            "over 3 key heads need 456 input columns (query | key | value | b | a | conv inputs), got 392",
+        ),
+        (
+            dict(columns=391),
+            "over 2 key heads need 392 input columns (query | key | value | b | a | conv inputs), got 391",
+        ),
+        (dict(channels=100), "the conv cache must be [16 + W - 2, 192] (16 candidate slots), got (18, 100)"),
         (dict(rows=17), "rows=17 must be in 1..16"),
     ],
 )
 def test_gdn_rows_refuses_a_mismatched_layout(kwargs, message):
-    states, inputs, a_log, dt_bias = _gdn_inputs(3)
-    args = dict(key_heads=2, rows=1, columns=inputs.shape[1]) | kwargs
+    cache, inputs, a_log, dt_bias = _gdn_inputs(3)
+    args = dict(key_heads=2, rows=1, columns=inputs.shape[1], channels=cache["conv"].shape[1]) | kwargs
     inputs = inputs[:, : args.pop("columns")]
+    cache = dict(cache, conv=cache["conv"][:, : args.pop("channels")])
     with pytest.raises(ValueError, match=re.escape(message)):
-        gdn_rows(states, 0, inputs, a_log, dt_bias, **args)
+        gdn_rows(cache, 0, inputs, a_log, dt_bias, **args)
 
 
 @pytest.mark.parametrize("rows", [1, 4])
@@ -309,13 +330,12 @@ def test_gdn_rows_bits_do_not_depend_on_a_known_slot(backend, rows):
 
     Without the barrier on the row count, interpret mode saw a trip count of 1, inlined the row loop and contracted
     the other product of exp(g) S + k u^T into an FMA on XLA:CPU."""
-    states, inputs, a_log, dt_bias = _gdn_inputs(4)
+    cache, inputs, a_log, dt_bias = _gdn_inputs(4)
     step = functools.partial(gdn_rows, rows=rows, key_heads=2)
     with use_backend(backend):
-        traced = jax.jit(step)(states, 0, inputs, a_log, dt_bias)
-        known = jax.jit(lambda s, *a: step(s, jnp.int32(0), *a))(states, inputs, a_log, dt_bias)
-    for a, b in zip(traced, known, strict=True):
-        assert np.array_equal(bits(a), bits(b))
+        traced = jax.jit(step)(cache, 0, inputs, a_log, dt_bias)
+        known = jax.jit(lambda c, *a: step(c, jnp.int32(0), *a))(cache, inputs, a_log, dt_bias)
+    assert _same_bits(traced, known)
 
 
 def test_chunked_prefill_equals_the_recurrence():

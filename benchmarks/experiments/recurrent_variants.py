@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jspec.exactness import bits  # noqa: E402
-from jspec_bench.hybrid import recurrent_cost  # noqa: E402
+from jspec_bench.hybrid import recurrent_args, recurrent_cost  # noqa: E402
 from jspec_bench.shapes import model_config  # noqa: E402
 from pallas_kernels import ROW_TILE, recurrent  # noqa: E402
 
@@ -73,17 +73,12 @@ def restore() -> None:
         setattr(recurrent, name, value)
 
 
-def outputs(cfg) -> tuple[np.ndarray, np.ndarray]:
-    """gdn_rows over 4 rows of one random layer: (post-states, outputs) as uint32 bits."""
-    rng = np.random.default_rng(1)
-    nk, h = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    states = jnp.asarray(rng.normal(size=(ROW_TILE, h, dk, dv)).astype(np.float32))
-    inputs = jnp.asarray(rng.normal(size=(ROW_TILE, 2 * nk * dk + h * dv + 2 * h)).astype(np.float32))
-    a_log = jnp.asarray(np.log(rng.uniform(1, 16, h)).astype(np.float32))
-    fn = jax.jit(functools.partial(recurrent.gdn_rows, rows=4, key_heads=nk))
-    s, o = fn(states, jnp.zeros((), jnp.int32), inputs, a_log, jnp.ones(h, jnp.float32))
-    return np.asarray(bits(s[:4])), np.asarray(bits(o[:4]))
+def outputs(cfg) -> tuple[np.ndarray, ...]:
+    """gdn_rows over 4 rows of one random layer: (post-states, conv cache, outputs) as uint32 bits."""
+    cache, inputs = recurrent_args(cfg, 1)
+    fn = jax.jit(functools.partial(recurrent.gdn_rows, rows=4, key_heads=cfg.linear_num_key_heads))
+    c, o = fn(cache, jnp.zeros((), jnp.int32), *inputs)
+    return np.asarray(bits(c["ssm"][:4])), np.asarray(bits(c["conv"])), np.asarray(bits(o[:4]))
 
 
 def main() -> None:

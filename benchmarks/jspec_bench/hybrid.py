@@ -25,6 +25,7 @@ depth, random int4 weights (`shapes.HYBRID_MODELS`: transformers' Qwen3.5 text s
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import gc
 import json
@@ -39,6 +40,7 @@ import numpy as np
 from jspec.drafters import MTPDrafter, PromptLookup
 from jspec.engine import Engine
 from jspec.exactness import bits
+from jspec.models import hybrid
 from jspec_bench.e2e import E2E_COMPILE_WEIGHT, echo_prompt, random_filler
 from jspec_bench.report import Context
 from jspec_bench.shapes import HYBRID_MODELS, model_config, scale_attention_output
@@ -88,56 +90,71 @@ def section_hybrid(ctx: Context, sec: dict) -> None:
     gc.collect()
 
 
-def recurrent_cost(cfg, calls: int) -> dict:
-    """`gdn_rows` alone on one layer's ROW_TILE candidate states, donated and chained as in a step (an undonated
-    call makes XLA copy all ROW_TILE states first: on the H200 that copy was 15-25 us of a ~20-28 us call): seconds
-    per call at 1 .. 4 rows (on the GPU the kernel's own time, XLA profiler; else the wall of chained calls), the
-    fixed cost (intercept of the least-squares line over rows), state bytes per row, and row invariance (one call
-    over 4 rows == 4 chained one-row calls, bits)."""
-    rng = np.random.default_rng(0)
-    nk, h = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    states0 = rng.normal(size=(ROW_TILE, h, dk, dv)).astype(np.float32)
-    columns = 2 * nk * dk + h * dv + 2 * h  # the conv's q | k | v, then the gates b | a
-    rows_in = jnp.asarray(rng.normal(size=(ROW_TILE, columns)).astype(np.float32))
+def recurrent_args(cfg, seed: int) -> tuple[dict, tuple]:
+    """Random `gdn_rows` arguments for one Gated DeltaNet layer of cfg: (its cache {"conv", "ssm"}, as
+    `hybrid.init_cache` lays it out, random; (inputs, a_log, dt_bias)), inputs float32 [ROW_TILE, 2 C + 2 h]: the
+    conv's outputs, the gates b | a, then the conv's inputs (bfloat16 values, as a step gives them)."""
+    rng = np.random.default_rng(seed)
+    h = cfg.linear_num_value_heads
+    layer = hybrid.init_cache(dataclasses.replace(cfg, layer_types=("linear_attention",)), 1, jnp.bfloat16)[0]
+    cache = {name: jnp.asarray(rng.normal(size=x.shape), x.dtype) for name, x in layer.items()}
+    channels = layer["conv"].shape[1]
+    raw = rng.normal(size=(ROW_TILE, channels)).astype(jnp.bfloat16).astype(np.float32)
+    inputs = np.concatenate([rng.normal(size=(ROW_TILE, channels + 2 * h)).astype(np.float32), raw], axis=1)
     a_log = jnp.asarray(np.log(rng.uniform(1, 16, h)).astype(np.float32))
-    dt_bias = jnp.ones(h, jnp.float32)
-    inputs = (rows_in, a_log, dt_bias)
+    return cache, (jnp.asarray(inputs), a_log, jnp.ones(h, jnp.float32))
+
+
+def recurrent_cost(cfg, calls: int) -> dict:
+    """`gdn_rows` alone on one layer's ROW_TILE candidate states and conv cache, donated and chained as in a step (an
+    undonated call makes XLA copy all ROW_TILE states first: on the H200 that copy was 15-25 us of a ~20-28 us
+    call): seconds per call at 1 .. 4 rows (on the GPU the kernel's own time, XLA profiler; else the wall of chained
+    calls), the fixed cost (intercept of the least-squares line over rows), state bytes per row, and row invariance
+    (one call over 4 rows == 4 chained one-row calls, bits of the output and of the state each leaves in slot 0)."""
+    nk = cfg.linear_num_key_heads
+    cache0, inputs = recurrent_args(cfg, 0)
+    state_bytes = int(cache0["ssm"][0].nbytes)
+    rows_in = inputs[0]
     slot = jnp.zeros((), jnp.int32)  # a traced argument, as DecodeState.slot in the steps
     step = functools.partial(gdn_rows, key_heads=nk)
     fns = {rows: jax.jit(functools.partial(step, rows=rows), donate_argnums=0) for rows in (1, 2, 3, 4)}
     on_gpu = jax.default_backend() == "gpu"
     source = "GPU kernel time of jspec_gdn_rows (XLA profiler), best of 3" if on_gpu else "wall of chained calls"
-    out = {"state_bytes_per_row": int(states0[0].nbytes), "seconds": {}, "source": source, "donated": True}
+    out = {"state_bytes_per_row": state_bytes, "seconds": {}, "source": source, "donated": True}
 
-    def chain(fn, states, n):
+    def fresh():
+        return jax.tree.map(jnp.copy, cache0)
+
+    def chain(fn, cache, n):
         for _ in range(n):
-            states, res = fn(states, slot, *inputs)
-        return jax.block_until_ready((states, res))[0]
+            cache, res = fn(cache, slot, *inputs)
+        return jax.block_until_ready((cache, res))[0]
 
     for rows, fn in fns.items():
-        states = chain(fn, jnp.asarray(states0), 2)  # compile, warm
+        cache = chain(fn, fresh(), 2)  # compile, warm
         if on_gpu:
 
             def run(fn=fn):
-                nonlocal states  # donated: each call's states feed the next
-                states = chain(fn, states, calls)
+                nonlocal cache  # donated: each call's cache feeds the next
+                cache = chain(fn, cache, calls)
 
             us = [kernel_times(profile(run), calls)["groups_us"]["recurrent"] for _ in range(3)]
             out["seconds"][str(rows)] = 1e-6 * min(us)
         else:
             t0 = time.perf_counter()
-            states = chain(fn, states, calls)
+            cache = chain(fn, cache, calls)
             out["seconds"][str(rows)] = (time.perf_counter() - t0) / calls
     rows = np.arange(1, 5)
     slope, intercept = np.polyfit(rows, [out["seconds"][str(r)] for r in rows], 1)
     out.update(fixed_s=float(intercept), per_row_s=float(slope))
     out["per_row_Bps"] = out["state_bytes_per_row"] / slope if slope > 0 else None
-    all_states, all_out = fns[4](jnp.asarray(states0), slot, *inputs)
-    s, same = jnp.asarray(states0), True
+    all_cache, all_out = fns[4](fresh(), slot, *inputs)
+    c, same = fresh(), True
     for i in range(4):
-        s, o = fns[1](s, slot, jnp.roll(rows_in, -i, axis=0), a_log, dt_bias)
-        same &= np.array_equal(bits(o[0]), bits(all_out[i])) and np.array_equal(bits(s[0]), bits(all_states[i]))
+        c, o = fns[1](c, slot, jnp.roll(rows_in, -i, axis=0), *inputs[1:])
+        same &= np.array_equal(bits(o[0]), bits(all_out[i]))
+        for name, x in hybrid.candidate_state(c, 0).items():
+            same &= np.array_equal(bits(x), bits(hybrid.candidate_state(all_cache, i)[name]))
     out["rows_bit_identical"] = bool(same)
     return out
 

@@ -141,15 +141,15 @@ def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, run: Run):
     conv = stored_values(conv, dtype)
     if run.kind == STEP:
         f32 = jnp.float32
-        inputs = jnp.concatenate([conv, b.astype(f32), a.astype(f32)], axis=-1)
+        # the conv's outputs, the gates and the conv's inputs as the cache keeps them: the kernel writes the cache
+        inputs = jnp.concatenate([conv, b.astype(f32), a.astype(f32), stored_values(mixed, dtype)], axis=-1)
         # a batch slot's tile may have fewer rows than the candidates (jspec.batch): pad it
         inputs = jnp.pad(inputs, ((0, cache["ssm"].shape[0] - t), (0, 0)))
-        ssm, out = gdn_rows(cache["ssm"], run.slot, inputs, p["A_log"], p["dt_bias"], run.rows, key_heads=nk)
-        out = out[:t]
-        # Every row's window, valid or not: candidate slot i's is seq[i + 1 : i + W], so the cache keeps seq[1:] (no
-        # window is copied out; commit selects by slot) and nothing around the conv depends on the row count
+        # Every row's window, valid or not: candidate slot i's is rows i .. i + W - 2 of the new conv cache (no window
+        # is copied out; commit selects by slot), so nothing around the conv depends on the row count
         # (docs/design.md, rule 7).
-        cache = dict(conv=jax.lax.dynamic_update_slice_in_dim(cache["conv"], seq[1:], 0, axis=0), ssm=ssm)
+        cache, out = gdn_rows(cache, run.slot, inputs, p["A_log"], p["dt_bias"], run.rows, key_heads=nk)
+        out = out[:t]
     else:
         q, k, v = gdn_columns(conv, nk, dk, dv)
         q, k = gdn_query_key(q, k)
