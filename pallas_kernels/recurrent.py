@@ -214,11 +214,11 @@ def _rows_kernel(
 ):
     """One (value head, dv block) program: s_ref/s_out [R, dk, BV] (aliased), q_ref/k_ref [R, dk] (its key head's
     columns), v_ref/o_ref [R, BV], a_ref/b_ref [R], alog_ref/dt_ref [1]; c_ref/c_out the whole conv cache
-    [R + W - 2, C] (aliased) and x_ref the whole inputs [R, 2 C + 2 h], for `_write_conv_cache`. The state stays in
+    [R + W - 2, C] (aliased) and x_ref the whole inputs [R, 2 C + 2 h], for `_read_conv_cache`. The state stays in
     registers across the rows; each post-state is stored once. A row's inputs do not depend on the state, so row
     i + 1's are loaded and prepared (`_row_inputs`) before row i computes: off the rows' sequential chain (the same
     values, so the same bits)."""
-    _write_conv_cache(slot_ref[0], c_ref, x_ref, c_out, grid=grid)
+    conv_cache = _read_conv_cache(slot_ref[0], c_ref, x_ref, grid=grid)  # loads issued before the rows' chain
     o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
     last = q_ref.shape[0] - 1
     a_log, dt_bias = alog_ref[0], dt_ref[0]
@@ -235,31 +235,41 @@ def _rows_kernel(
         return state, ahead
 
     jax.lax.fori_loop(0, count_ref[0], step, (s_ref[slot_ref[0]], inputs(0)))
+    _store_conv_cache(conv_cache, c_out)  # after the chain: its stores wait for nothing the rows need
 
 
-def _write_conv_cache(slot, c_ref, x_ref, c_out, *, grid: tuple[int, int]):
+def _read_conv_cache(slot, c_ref, x_ref, *, grid: tuple[int, int]) -> list:
     """This program's share of the conv cache's new contents, [window rows slot + 1 .. slot + W - 2 ++ the tile's R
-    rows of conv inputs (x_ref's last C columns)]: column chunks p, p + P, ... of `cache_chunk` columns, p this
-    program's index in the (static) grid of P programs. No other program touches these columns, and a chunk's
-    window is read before any of its rows is written."""
-    rows, channels = c_ref.shape
-    r = x_ref.shape[0]
-    keep = rows - r  # W - 2
+    rows of conv inputs (x_ref's last C columns)], loaded: column chunks p, p + P, ... of `cache_chunk` columns, p
+    this program's index in the (static) grid of P programs, as (chunk, valid, window rows, inputs) for
+    `_store_conv_cache` (a chunk past the last, valid False, loads the last chunk and is not stored). No other
+    program touches these columns, and the kernel stores them after it has read every window."""
+    channels = c_ref.shape[1]
+    keep = c_ref.shape[0] - x_ref.shape[0]  # W - 2
     width = cache_chunk(channels)
     chunks, programs = channels // width, grid[0] * grid[1]
     program = pl.program_id(0) * grid[1] + pl.program_id(1)
     raw_at = x_ref.shape[1] - channels
-
-    def write(chunk):
-        cols = pl.ds(pl.multiple_of(chunk * width, width), width)
-        window = [c_ref[slot + 1 + i, cols] for i in range(keep)]
-        for i, row in enumerate(window):
-            c_out[i, cols] = row
-        c_out[pl.ds(keep, r), cols] = x_ref[:, pl.ds(raw_at + chunk * width, width)].astype(c_out.dtype)
-
+    pending = []
     for t in range(-(-chunks // programs)):
         chunk = program + t * programs
-        pl.when(chunk < chunks)(functools.partial(write, chunk))
+        at = pl.multiple_of(jnp.minimum(chunk, chunks - 1) * width, width)
+        window = [c_ref[slot + 1 + i, pl.ds(at, width)] for i in range(keep)]
+        pending.append((at, chunk < chunks, window, x_ref[:, pl.ds(raw_at + at, width)]))
+    return pending
+
+
+def _store_conv_cache(pending: list, c_out) -> None:
+    """Store `_read_conv_cache`'s chunks into the conv cache c_out [R + W - 2, C]."""
+    for at, valid, window, raw in pending:
+
+        def store(at=at, window=window, raw=raw):
+            cols = pl.ds(at, raw.shape[1])
+            for i, row in enumerate(window):
+                c_out[i, cols] = row
+            c_out[pl.ds(len(window), raw.shape[0]), cols] = raw.astype(c_out.dtype)
+
+        pl.when(valid)(store)
 
 
 def cache_chunk(channels: int) -> int:
