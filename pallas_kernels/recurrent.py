@@ -6,12 +6,13 @@ v [dv], log-decay g <= 0, write strength beta in (0, 1)):
     S <- exp(g) S;   u = beta (v - S^T k);   S <- S + k u^T;   out = S^T q
 
 Exactness (docs/design.md, rule 3): `gdn_rows` advances a row tile one position at a time with the step arithmetic and
-keeps the post-state after every valid row in its own candidate slot; a commit then selects one by index. Decode and
-verify run the very same compiled loop (the row count is a runtime value), so row i's post-state and output are the bits
-of the decode at that position. Everything outside the loop works on full fixed-shape row tiles. Backends: "reference"
-is a jnp while loop; "pallas" (GPU) / "interpret" a Pallas kernel, one program per (value head, block of value columns),
-that keeps its state block in registers across the rows: it reads the committed state once and writes each post-state
-once (an XLA loop makes several passes over the state per row).
+keeps the post-state after every valid row in its own candidate slot (the conv cache, which it also writes, holds every
+candidate's window); a commit then selects one by index. Decode and verify run the very same compiled loop (the row
+count is a runtime value), so row i's post-state and output are the bits of the decode at that position. Everything
+outside the loop works on full fixed-shape row tiles. Backends: "reference" is a jnp while loop; "pallas" (GPU) /
+"interpret" a Pallas kernel, one program per (value head, block of value columns), that keeps its state block in
+registers across the rows: it reads the committed state once and writes each post-state once (an XLA loop makes several
+passes over the state per row).
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ def _rows_kernel(
 def _read_conv_cache(slot, c_ref, x_ref, *, grid: tuple[int, int]) -> list:
     """This program's share of the conv cache's new contents, [window rows slot + 1 .. slot + W - 2 ++ the tile's R
     rows of conv inputs (x_ref's last C columns)], loaded: column chunks p, p + P, ... of `cache_chunk` columns, p
-    this program's index in the (static) grid of P programs, as (chunk, valid, window rows, inputs) for
+    this program's index in the (static) grid of P programs, as (first column, valid, window rows, inputs) for
     `_store_conv_cache` (a chunk past the last, valid False, loads the last chunk and is not stored). No other
     program touches these columns, and the kernel stores them after it has read every window."""
     channels = c_ref.shape[1]
