@@ -177,9 +177,8 @@ def _rows_reference(states, conv_cache, slot, inputs, a_log, dt_bias, count, key
     r, h, dk, dv = states.shape
     channels = conv_cache.shape[1]
     conv, b, a, raw = jnp.split(inputs, [channels, channels + h, channels + 2 * h], axis=-1)
-    keep = conv_cache.shape[0] - r  # W - 2 rows of the committed window stay
-    window = jax.lax.dynamic_slice_in_dim(conv_cache, slot + 1, keep, axis=0)
-    conv_cache = jnp.concatenate([window, raw.astype(conv_cache.dtype)], axis=0)
+    window = conv_window(conv_cache, slot, conv_cache.shape[0] - r + 2)  # the slot's W - 1 rows
+    conv_cache = jnp.concatenate([window[1:], raw.astype(conv_cache.dtype)], axis=0)
     q, k, v = gdn_columns(conv, key_heads, dk, dv)
     q, k = (jnp.repeat(x, h // key_heads, axis=1) for x in (q, k))
 
