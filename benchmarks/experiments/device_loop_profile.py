@@ -1,0 +1,166 @@
+"""Where a generated token's time goes on the on-device loop (issue 33: the Qwen3.5 text shape's decode at >= 45% of
+the roofline; its greedy on-device loop runs 2.67 ms a token where its decode step's kernels take 2.49 ms).
+
+For each model in --models (random int4, prepared as the Engine prepares them): greedy generations of 1 and of
+--new-tokens tokens after a --prompt-len prompt, on the device loop (`Engine.generate(on_device=True)`) and on the
+host loop, each timed (median of --repeats) and profiled once. Per token, from the difference of the two lengths
+(the prefill and the first token cancel): the wall, the GPU kernel time and launches (`timing.kernel_times`), the
+stream's idle time between kernels, and the largest gaps named by the kernels on either side, so a loop's own
+overhead (the while loop's predicate, the argmax, the round's bookkeeping) shows apart from the decode step's.
+The on-device executable's optimized HLO says which of its parts XLA put in CUDA graphs (command buffers).
+
+    python3 benchmarks/experiments/device_loop_profile.py --commit SHA --out $OUT/device_loop_profile_h200.json
+    python3 benchmarks/experiments/device_loop_profile.py --quick --out /tmp/device_loop_profile_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repo root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: jspec_bench
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jspec.engine import Engine  # noqa: E402
+from jspec.state import init_state  # noqa: E402
+from jspec_bench.shapes import model_config, random_int4_params, step_bytes  # noqa: E402
+from jspec_bench.timing import kernel_times, profile  # noqa: E402
+
+TOP_GAPS = 12  # the (kernel before, kernel after) pairs reported, by their idle time
+
+
+def stream_gaps(prof) -> collections.Counter:
+    """{(kernel before, kernel after): idle microseconds} over the GPU planes' stream lines of a profile."""
+    gaps: collections.Counter = collections.Counter()
+    for plane in prof.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            prev = None
+            for event in sorted(line.events, key=lambda e: e.start_ns):
+                if prev is not None and event.start_ns > prev.end_ns:
+                    gaps[(prev.name[:60], event.name[:60])] += (event.start_ns - prev.end_ns) / 1e3
+                prev = event
+    return gaps
+
+
+def graph_facts(hlo: str) -> dict:
+    """What XLA put in command buffers (CUDA graphs) in an optimized HLO module: its computations named
+    command_buffer*, and the while / conditional instructions inside and outside them."""
+    blocks = re.split(r"\n(?=\S)", hlo)
+    facts = {"command_buffers": 0, "while_in_graph": 0, "while_outside": 0, "cond_in_graph": 0, "cond_outside": 0}
+    for block in blocks:
+        in_graph = block.split(" ", 1)[0].lstrip("%").startswith("command_buffer")
+        facts["command_buffers"] += in_graph
+        where = "in_graph" if in_graph else "outside"
+        facts[f"while_{where}"] += len(re.findall(r"[\])}] while\(", block))
+        facts[f"cond_{where}"] += len(re.findall(r"[\])}] conditional\(", block))
+    return facts
+
+
+def measure(engine: Engine, prompt: np.ndarray, n: int, on_device: bool, repeats: int) -> dict:
+    """Per token over n - 1 tokens: the wall (median of repeats), the GPU kernels and the stream's gaps."""
+
+    def run(tokens: int):
+        t0 = time.perf_counter()
+        engine.generate(prompt, tokens, eos_id=(), on_device=on_device)
+        return time.perf_counter() - t0
+
+    run(n)  # compile, warm
+    run(1)
+    wall = statistics.median(run(n) - run(1) for _ in range(repeats)) / (n - 1)
+    out = {"ms_per_token": 1e3 * wall, "tok_s": 1 / wall}
+    if jax.default_backend() != "gpu":
+        return out
+    long, short = profile(lambda: run(n)), profile(lambda: run(1))
+    k_long, k_short = kernel_times(long, 1), kernel_times(short, 1)
+    per = lambda key: (k_long[key] - k_short[key]) / (n - 1)  # noqa: E731
+    g_long, g_short = stream_gaps(long), stream_gaps(short)
+    g_long.subtract(g_short)
+    out |= {
+        "kernel_us_per_token": per("kernel_us"),
+        "launches_per_token": per("launches"),
+        "idle_us_per_token": per("idle_us"),
+        "groups_us_per_token": {
+            g: (us - k_short["groups_us"].get(g, 0.0)) / (n - 1) for g, us in k_long["groups_us"].items()
+        },
+        "top_kernels_us_per_token": {
+            name: (us - k_short["top_kernels_us"].get(name, 0.0)) / (n - 1)
+            for name, us in k_long["top_kernels_us"].items()
+        },
+        "gaps_us_per_token": {
+            f"{a} -> {b}": round(us / (n - 1), 2) for (a, b), us in g_long.most_common(TOP_GAPS) if us > 0
+        },
+    }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--models", default="qwen3.5")
+    ap.add_argument("--new-tokens", type=int, default=65)
+    ap.add_argument("--prompt-len", type=int, default=320)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run: the tiny shrunk shape")
+    opts = ap.parse_args()
+    t0 = time.perf_counter()
+    out = {
+        "meta": {
+            "commit": opts.commit,
+            "jax": jax.__version__,
+            "device": jax.devices()[0].device_kind,
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "new_tokens": opts.new_tokens,
+            "prompt_len": opts.prompt_len,
+        },
+        "models": {},
+    }
+    n = 9 if opts.quick else opts.new_tokens
+    for name in opts.models.split(","):
+        cfg = model_config(name, opts.quick)
+        params = random_int4_params(cfg, 0, True)
+        max_len = opts.prompt_len + n + 16
+        engine = Engine(params, cfg, max_len=max_len, k=1, prefill_chunk=128)
+        prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, (opts.prompt_len,)).astype(np.int32)
+        res = out["models"][name] = {}
+        state = dataclasses.replace(init_state(cfg, max_len, engine.dtype), position=opts.prompt_len + n // 2)
+        res["bytes_per_token"] = step_bytes(engine.params, cfg, state, 1)  # at the middle token's context
+        for label, on_device in (("device_loop", True), ("host_loop", False)):
+            res[label] = r = measure(engine, prompt, n, on_device, opts.repeats)
+            print(
+                f"{name} {label}: {r['ms_per_token']:.3f} ms a token ({r['tok_s']:.1f} tok/s)"
+                + (
+                    f"; kernels {r['kernel_us_per_token']:.1f} us in {r['launches_per_token']:.1f} launches, "
+                    f"idle {r['idle_us_per_token']:.1f} us"
+                    if "kernel_us_per_token" in r
+                    else ""
+                ),
+                flush=True,
+            )
+        device_exec = next(ex for key, ex in engine._executables.items() if key[0] == "device")
+        res["device_loop"]["graphs"] = graph_facts(device_exec.as_text())
+        print(f"{name} device loop HLO: {res['device_loop']['graphs']}", flush=True)
+        del engine, params
+    out["meta"]["elapsed_s"] = time.perf_counter() - t0
+    with open(opts.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"results: {opts.out} ({out['meta']['elapsed_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
