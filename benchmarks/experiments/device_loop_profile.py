@@ -7,7 +7,14 @@ host loop, each timed (median of --repeats) and profiled once. Per token, from t
 (the prefill and the first token cancel): the wall, the GPU kernel time and launches (`timing.kernel_times`), the
 stream's idle time between kernels, and the largest gaps named by the kernels on either side, so a loop's own
 overhead (the while loop's predicate, the argmax, the round's bookkeeping) shows apart from the decode step's.
-The on-device executable's optimized HLO says which of its parts XLA put in CUDA graphs (command buffers).
+The decode step alone (`jspec_bench.steps.lower_steps`, 3 chained calls at the prompt's context) is profiled in the
+same run, for its kernels beside the loop's.
+
+Inside a CUDA graph's conditional node (the shipped options graph the while loop: WHILE, CONDITIONAL) the profiler
+records no kernel, so the loop's kernels show as one idle gap after `set_while_condition`; the variant
+"host_while" compiles the on-device executable without WHILE and CONDITIONAL graphs, so the host drives the loop
+(a predicate copied back per round) and every kernel of a round is recorded. --hlo-dir: the on-device executables'
+optimized HLO, gzipped.
 
     python3 benchmarks/experiments/device_loop_profile.py --commit SHA --out $OUT/device_loop_profile_h200.json
     python3 benchmarks/experiments/device_loop_profile.py --quick --out /tmp/device_loop_profile_cpu.json
@@ -19,6 +26,7 @@ import argparse
 import collections
 import dataclasses
 import datetime
+import gzip
 import json
 import os
 import re
@@ -30,12 +38,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: jspec_bench
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jspec.engine import Engine  # noqa: E402
+from jspec import engine as engine_module  # noqa: E402
+from jspec.engine import Engine, compiler_options  # noqa: E402
 from jspec.state import init_state  # noqa: E402
-from jspec_bench.shapes import model_config, random_int4_params, step_bytes  # noqa: E402
+from jspec_bench.shapes import copy_tree, model_config, random_int4_params, random_state, step_bytes  # noqa: E402
+from jspec_bench.steps import lower_steps  # noqa: E402
 from jspec_bench.timing import kernel_times, profile  # noqa: E402
+from pallas_kernels import ROW_TILE  # noqa: E402
+
+SHIPPED = dict(engine_module.GPU_COMPILER_OPTIONS)
+VARIANTS = {
+    "shipped": SHIPPED,
+    "host_while": SHIPPED | {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"},
+}
 
 TOP_GAPS = 12  # the (kernel before, kernel after) pairs reported, by their idle time
 
@@ -108,6 +126,23 @@ def measure(engine: Engine, prompt: np.ndarray, n: int, on_device: bool, repeats
     return out
 
 
+def step_alone(params: dict, cfg, context: int, calls: int = 3) -> dict | None:
+    """The decode step's GPU kernels per call, `calls` chained calls at `context` (None off the GPU)."""
+    if jax.default_backend() != "gpu":
+        return None
+    state = random_state(cfg, context + 2 * ROW_TILE, context, jnp.bfloat16, 1)
+    decode = lower_steps(params, cfg, state, {})["decode"].compile(compiler_options=compiler_options())
+
+    def run():
+        s = copy_tree(state)
+        for _ in range(calls):
+            s, logits = decode(params, s)
+        logits.block_until_ready()
+
+    run()
+    return kernel_times(profile(run), calls)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -116,6 +151,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=65)
     ap.add_argument("--prompt-len", type=int, default=320)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", default="shipped,host_while", help=f"of {list(VARIANTS)}")
+    ap.add_argument("--hlo-dir", default=None)
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: the tiny shrunk shape")
     opts = ap.parse_args()
     t0 = time.perf_counter()
@@ -140,22 +177,35 @@ def main() -> None:
         res = out["models"][name] = {}
         state = dataclasses.replace(init_state(cfg, max_len, engine.dtype), position=opts.prompt_len + n // 2)
         res["bytes_per_token"] = step_bytes(engine.params, cfg, state, 1)  # at the middle token's context
-        for label, on_device in (("device_loop", True), ("host_loop", False)):
-            res[label] = r = measure(engine, prompt, n, on_device, opts.repeats)
-            print(
-                f"{name} {label}: {r['ms_per_token']:.3f} ms a token ({r['tok_s']:.1f} tok/s)"
-                + (
-                    f"; kernels {r['kernel_us_per_token']:.1f} us in {r['launches_per_token']:.1f} launches, "
-                    f"idle {r['idle_us_per_token']:.1f} us"
-                    if "kernel_us_per_token" in r
-                    else ""
-                ),
-                flush=True,
-            )
-        device_exec = next(ex for key, ex in engine._executables.items() if key[0] == "device")
-        res["device_loop"]["graphs"] = graph_facts(device_exec.as_text())
-        print(f"{name} device loop HLO: {res['device_loop']['graphs']}", flush=True)
-        del engine, params
+        res["decode_step_alone"] = step_alone(engine.params, cfg, opts.prompt_len + n // 2)
+        for variant in opts.variants.split(","):
+            engine_module.GPU_COMPILER_OPTIONS = VARIANTS[variant]
+            if variant != "shipped":
+                engine = Engine(params, cfg, max_len=max_len, k=1, prefill_chunk=128)
+            loops = (("device_loop", True), ("host_loop", False)) if variant == "shipped" else (("device_loop", True),)
+            for label, on_device in loops:
+                key = label if variant == "shipped" else f"{label}_{variant}"
+                res[key] = r = measure(engine, prompt, n, on_device, opts.repeats)
+                print(
+                    f"{name} {key}: {r['ms_per_token']:.3f} ms a token ({r['tok_s']:.1f} tok/s)"
+                    + (
+                        f"; kernels {r['kernel_us_per_token']:.1f} us in {r['launches_per_token']:.1f} launches, "
+                        f"idle {r['idle_us_per_token']:.1f} us"
+                        if "kernel_us_per_token" in r
+                        else ""
+                    ),
+                    flush=True,
+                )
+            device_exec = next(ex for k, ex in engine._executables.items() if k[0] == "device")
+            hlo = device_exec.as_text()
+            res[f"device_loop_graphs_{variant}"] = graph_facts(hlo)
+            if opts.hlo_dir:
+                os.makedirs(opts.hlo_dir, exist_ok=True)
+                with gzip.open(os.path.join(opts.hlo_dir, f"device_loop_{name}_{variant}.hlo.gz"), "wt") as f:
+                    f.write(hlo)
+            del engine
+        engine_module.GPU_COMPILER_OPTIONS = SHIPPED
+        del params
     out["meta"]["elapsed_s"] = time.perf_counter() - t0
     with open(opts.out, "w") as f:
         json.dump(out, f, indent=1)
