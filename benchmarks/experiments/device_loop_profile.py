@@ -7,6 +7,11 @@ host loop, each timed (median of --repeats) and profiled once. Per token, from t
 (the prefill and the first token cancel): the wall, the GPU kernel time and launches (`timing.kernel_times`), the
 stream's idle time between kernels, and the largest gaps named by the kernels on either side, so a loop's own
 overhead (the while loop's predicate, the argmax, the round's bookkeeping) shows apart from the decode step's.
+Chains (--unrolls): the decode step, its argmax and `commit` in a bare `lax.while_loop` whose body runs U steps (U
+in --unrolls), timed as the loop is (iterations T minus 1): what a step costs inside a CUDA graph's conditional
+node without the generation loop's bookkeeping, and whether the conditional's per-iteration cost shows (if it does,
+U = 2 and 4 run a step faster).
+
 The decode step alone (`jspec_bench.steps.lower_steps`, 3 chained calls at the prompt's context) is profiled in the
 same run, for its kernels beside the loop's.
 
@@ -44,6 +49,7 @@ import numpy as np  # noqa: E402
 from jspec import engine as engine_module  # noqa: E402
 from jspec.engine import Engine, compiler_options  # noqa: E402
 from jspec.state import init_state  # noqa: E402
+from jspec.steps import commit, decode_step  # noqa: E402
 from jspec_bench.shapes import copy_tree, model_config, random_int4_params, random_state, step_bytes  # noqa: E402
 from jspec_bench.steps import lower_steps  # noqa: E402
 from jspec_bench.timing import kernel_times, profile  # noqa: E402
@@ -143,6 +149,39 @@ def step_alone(params: dict, cfg, context: int, calls: int = 3) -> dict | None:
     return kernel_times(profile(run), calls)
 
 
+def chain_rates(params: dict, cfg, context: int, unrolls: list[int], iterations: int, repeats: int) -> dict:
+    """{U: ms a step} of decode chains of U steps a while-loop iteration (module docstring), iterations T vs 1."""
+    out = {}
+    for unroll in unrolls:
+        max_len = context + iterations * unroll + 2 * ROW_TILE
+        base = random_state(cfg, max_len, context, jnp.bfloat16, 1)
+
+        def chain(params, state, trips, unroll=unroll):
+            def body(carry):
+                state, i = carry
+                for _ in range(unroll):
+                    state, logits = decode_step(params, cfg, state)
+                    state = commit(state, jnp.zeros((), jnp.int32), jnp.argmax(logits).astype(jnp.int32))
+                return state, i + 1
+
+            return jax.lax.while_loop(lambda c: c[1] < trips, body, (state, jnp.zeros((), jnp.int32)))[0]
+
+        run_chain = jax.jit(chain, donate_argnums=1).lower(params, base, 1).compile(compiler_options())
+
+        def wall(trips: int, base=base, run_chain=run_chain) -> float:
+            state = copy_tree(base)
+            jax.block_until_ready(state)
+            t0 = time.perf_counter()
+            run_chain(params, state, trips).position.block_until_ready()
+            return time.perf_counter() - t0
+
+        wall(iterations), wall(1)
+        seconds = statistics.median(wall(iterations) - wall(1) for _ in range(repeats))
+        out[unroll] = 1e3 * seconds / ((iterations - 1) * unroll)
+        print(f"  chain of {unroll} steps an iteration: {out[unroll]:.3f} ms a step", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -153,6 +192,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variants", default="shipped,host_while", help=f"of {list(VARIANTS)}")
     ap.add_argument("--hlo-dir", default=None)
+    ap.add_argument("--unrolls", default="1,2,4", help="steps per while-loop iteration of the chains; empty: none")
+    ap.add_argument("--chain-iterations", type=int, default=33)
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: the tiny shrunk shape")
     opts = ap.parse_args()
     t0 = time.perf_counter()
@@ -178,6 +219,9 @@ def main() -> None:
         state = dataclasses.replace(init_state(cfg, max_len, engine.dtype), position=opts.prompt_len + n // 2)
         res["bytes_per_token"] = step_bytes(engine.params, cfg, state, 1)  # at the middle token's context
         res["decode_step_alone"] = step_alone(engine.params, cfg, opts.prompt_len + n // 2)
+        unrolls = [int(u) for u in opts.unrolls.split(",") if u]
+        iterations = 3 if opts.quick else opts.chain_iterations
+        res["chain_ms_per_step"] = chain_rates(engine.params, cfg, opts.prompt_len, unrolls, iterations, opts.repeats)
         for variant in opts.variants.split(","):
             engine_module.GPU_COMPILER_OPTIONS = VARIANTS[variant]
             if variant != "shipped":
