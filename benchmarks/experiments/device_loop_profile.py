@@ -7,10 +7,11 @@ host loop, each timed (median of --repeats) and profiled once. Per token, from t
 (the prefill and the first token cancel): the wall, the GPU kernel time and launches (`timing.kernel_times`), the
 stream's idle time between kernels, and the largest gaps named by the kernels on either side, so a loop's own
 overhead (the while loop's predicate, the argmax, the round's bookkeeping) shows apart from the decode step's.
-Chains (--unrolls): the decode step, its argmax and `commit` in a bare `lax.while_loop` whose body runs U steps (U
-in --unrolls), timed as the loop is (iterations T minus 1): what a step costs inside a CUDA graph's conditional
-node without the generation loop's bookkeeping, and whether the conditional's per-iteration cost shows (if it does,
-U = 2 and 4 run a step faster).
+Chains (--chains): the decode step, its argmax and `commit` in a bare `lax.while_loop` whose body runs U steps,
+at the top level or nested in a `lax.cond`, timed as the loop is (iterations T minus 1), their trials interleaved
+with the greedy device loop's (--trials): what a step costs inside a CUDA graph's conditional node without the
+generation loop's bookkeeping, whether the conditional's per-iteration cost shows (if it does, U = 2 runs a step
+faster), and whether nesting the loop in a conditional (as `generate_on_device` does) costs.
 
 The decode step alone (`jspec_bench.steps.lower_steps`, 3 chained calls at the prompt's context) is profiled in the
 same run, for its kernels beside the loop's.
@@ -149,14 +150,17 @@ def step_alone(params: dict, cfg, context: int, calls: int = 3) -> dict | None:
     return kernel_times(profile(run), calls)
 
 
-def chain_rates(params: dict, cfg, context: int, unrolls: list[int], iterations: int, repeats: int) -> dict:
-    """{U: ms a step} of decode chains of U steps a while-loop iteration (module docstring), iterations T vs 1."""
-    out = {}
-    for unroll in unrolls:
+def chain_walls(params: dict, cfg, context: int, chains: list[str], iterations: int) -> dict:
+    """{label: wall(trips) -> seconds} of decode chains (module docstring): "U" runs U steps a while-loop iteration,
+    "U-nested" the same while loop inside a `lax.cond` (as `generate_on_device` nests its loop in the request
+    check)."""
+    walls = {}
+    for label in chains:
+        unroll, nested = int(label.split("-")[0]), label.endswith("-nested")
         max_len = context + iterations * unroll + 2 * ROW_TILE
         base = random_state(cfg, max_len, context, jnp.bfloat16, 1)
 
-        def chain(params, state, trips, unroll=unroll):
+        def chain(params, state, trips, unroll=unroll, nested=nested):
             def body(carry):
                 state, i = carry
                 for _ in range(unroll):
@@ -164,7 +168,10 @@ def chain_rates(params: dict, cfg, context: int, unrolls: list[int], iterations:
                     state = commit(state, jnp.zeros((), jnp.int32), jnp.argmax(logits).astype(jnp.int32))
                 return state, i + 1
 
-            return jax.lax.while_loop(lambda c: c[1] < trips, body, (state, jnp.zeros((), jnp.int32)))[0]
+            def run(state):
+                return jax.lax.while_loop(lambda c: c[1] < trips, body, (state, jnp.zeros((), jnp.int32)))[0]
+
+            return jax.lax.cond(trips > 0, run, lambda s: s, state) if nested else run(state)
 
         run_chain = jax.jit(chain, donate_argnums=1).lower(params, base, 1).compile(compiler_options())
 
@@ -176,10 +183,18 @@ def chain_rates(params: dict, cfg, context: int, unrolls: list[int], iterations:
             return time.perf_counter() - t0
 
         wall(iterations), wall(1)
-        seconds = statistics.median(wall(iterations) - wall(1) for _ in range(repeats))
-        out[unroll] = 1e3 * seconds / ((iterations - 1) * unroll)
-        print(f"  chain of {unroll} steps an iteration: {out[unroll]:.3f} ms a step", flush=True)
-    return out
+        walls[label] = (wall, iterations, unroll)
+    return walls
+
+
+def interleaved(walls: dict, trials: int) -> dict:
+    """{label: {"ms_per_step": median, "trials_ms": [...]}}: every label's (wall(T) - wall(1)) / ((T - 1) U), the
+    labels taken in turn in each of `trials` rounds (so a drift of the machine touches them alike)."""
+    times = {label: [] for label in walls}
+    for _ in range(trials):
+        for label, (wall, trips, unroll) in walls.items():
+            times[label].append(1e3 * (wall(trips) - wall(1)) / ((trips - 1) * unroll))
+    return {label: {"ms_per_step": statistics.median(t), "trials_ms": t} for label, t in times.items()}
 
 
 def main() -> None:
@@ -192,7 +207,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variants", default="shipped,host_while", help=f"of {list(VARIANTS)}")
     ap.add_argument("--hlo-dir", default=None)
-    ap.add_argument("--unrolls", default="1,2,4", help="steps per while-loop iteration of the chains; empty: none")
+    ap.add_argument(
+        "--chains", default="1,1-nested,2", help="decode chains timed beside the device loop, interleaved; empty: none"
+    )
+    ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--chain-iterations", type=int, default=33)
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: the tiny shrunk shape")
     opts = ap.parse_args()
@@ -219,9 +237,19 @@ def main() -> None:
         state = dataclasses.replace(init_state(cfg, max_len, engine.dtype), position=opts.prompt_len + n // 2)
         res["bytes_per_token"] = step_bytes(engine.params, cfg, state, 1)  # at the middle token's context
         res["decode_step_alone"] = step_alone(engine.params, cfg, opts.prompt_len + n // 2)
-        unrolls = [int(u) for u in opts.unrolls.split(",") if u]
         iterations = 3 if opts.quick else opts.chain_iterations
-        res["chain_ms_per_step"] = chain_rates(engine.params, cfg, opts.prompt_len, unrolls, iterations, opts.repeats)
+        walls = chain_walls(engine.params, cfg, opts.prompt_len, [c for c in opts.chains.split(",") if c], iterations)
+
+        def generation(tokens: int, engine=engine, prompt=prompt) -> float:
+            t0 = time.perf_counter()
+            engine.generate(prompt, tokens, eos_id=(), on_device=True)
+            return time.perf_counter() - t0
+
+        walls["generate_on_device"] = (generation, n, 1)
+        generation(n), generation(1)
+        res["interleaved"] = interleaved(walls, opts.trials)
+        for label, r in res["interleaved"].items():
+            print(f"  {label}: {r['ms_per_step']:.3f} ms a step ({', '.join(f'{t:.3f}' for t in r['trials_ms'])})")
         for variant in opts.variants.split(","):
             engine_module.GPU_COMPILER_OPTIONS = VARIANTS[variant]
             if variant != "shipped":
