@@ -250,7 +250,7 @@ def main() -> None:
         res["interleaved"] = interleaved(walls, opts.trials)
         for label, r in res["interleaved"].items():
             print(f"  {label}: {r['ms_per_step']:.3f} ms a step ({', '.join(f'{t:.3f}' for t in r['trials_ms'])})")
-        for variant in opts.variants.split(","):
+        for variant in [v for v in opts.variants.split(",") if v]:
             engine_module.GPU_COMPILER_OPTIONS = VARIANTS[variant]
             if variant != "shipped":
                 engine = Engine(params, cfg, max_len=max_len, k=1, prefill_chunk=128)
