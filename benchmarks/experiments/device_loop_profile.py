@@ -8,10 +8,11 @@ host loop, each timed (median of --repeats) and profiled once. Per token, from t
 stream's idle time between kernels, and the largest gaps named by the kernels on either side, so a loop's own
 overhead (the while loop's predicate, the argmax, the round's bookkeeping) shows apart from the decode step's.
 Chains (--chains): the decode step, its argmax and `commit` in a bare `lax.while_loop` whose body runs U steps,
-at the top level or nested in a `lax.cond`, timed as the loop is (iterations T minus 1), their trials interleaved
-with the greedy device loop's (--trials): what a step costs inside a CUDA graph's conditional node without the
-generation loop's bookkeeping, whether the conditional's per-iteration cost shows (if it does, U = 2 runs a step
-faster), and whether nesting the loop in a conditional (as `generate_on_device` does) costs.
+at the top level, nested in a `lax.cond` or with its state made inside the executable, timed as the loop is
+(iterations T minus 1), their trials interleaved with the greedy device loop's (--trials): what a step costs inside
+a CUDA graph's conditional node without the generation loop's bookkeeping, whether the conditional's per-iteration
+cost shows (if it does, U = 2 runs a step faster), and whether nesting the loop in a conditional or making the state
+inside the executable (as `generate_on_device` does both) costs.
 
 The decode step alone (`jspec_bench.steps.lower_steps`, 3 chained calls at the prompt's context) is profiled in the
 same run, for its kernels beside the loop's.
@@ -21,6 +22,18 @@ records no kernel, so the loop's kernels show as one idle gap after `set_while_c
 "host_while" compiles the on-device executable without WHILE and CONDITIONAL graphs, so the host drives the loop
 (a predicate copied back per round) and every kernel of a round is recorded. --hlo-dir: the on-device executables'
 optimized HLO, gzipped.
+
+Runs (Qwen3.5 text shape, 320-token random prompts, 64 tokens; experiments/results/):
+- device_loop_profile_h200.json (c6a1893, with Llama-3-8B): the device loop 2.698 ms a token (Llama-3-8B 2.531),
+  its kernels invisible to the profiler inside the conditional node.
+- device_loop_profile_qwen35_h200.json (8d186d4): host_while 2.711 ms a token, 438 launches and 2496 us of kernels
+  a token (the step alone 431 launches, ~2.50 ms); the shipped device loop 2.682.
+- device_loop_chains_qwen35_h200.json (0ba94c4, not interleaved): chains of 1 / 2 / 4 steps an iteration 2.481 /
+  2.642 / 2.644 ms a step, the device loop 2.673.
+- device_loop_interleaved_qwen35_h200.json (2b4cecd): first trials 2.532 / 2.475 / 2.483 (1, 1-nested, 2), the
+  generation 2.688; every later trial of every chain 2.62-2.69, the generation 2.65-2.68: neither the
+  conditional's per-iteration cost nor the nesting shows; after the first round of trials the chains ran as slowly as
+  the generation (sustained_load.py: not heat).
 
     python3 benchmarks/experiments/device_loop_profile.py --commit SHA --out $OUT/device_loop_profile_h200.json
     python3 benchmarks/experiments/device_loop_profile.py --quick --out /tmp/device_loop_profile_cpu.json
@@ -153,14 +166,18 @@ def step_alone(params: dict, cfg, context: int, calls: int = 3) -> dict | None:
 def chain_walls(params: dict, cfg, context: int, chains: list[str], iterations: int) -> dict:
     """{label: wall(trips) -> seconds} of decode chains (module docstring): "U" runs U steps a while-loop iteration,
     "U-nested" the same while loop inside a `lax.cond` (as `generate_on_device` nests its loop in the request
-    check)."""
+    check), "U-internal" with its state made inside the executable (zeros at `context`, as `generate_on_device` makes
+    its own) rather than passed in."""
     walls = {}
     for label in chains:
-        unroll, nested = int(label.split("-")[0]), label.endswith("-nested")
+        unroll, nested, internal = int(label.split("-")[0]), label.endswith("-nested"), label.endswith("-internal")
         max_len = context + iterations * unroll + 2 * ROW_TILE
         base = random_state(cfg, max_len, context, jnp.bfloat16, 1)
 
-        def chain(params, state, trips, unroll=unroll, nested=nested):
+        def chain(params, state, trips, unroll=unroll, nested=nested, internal=internal, max_len=max_len):
+            if internal:
+                state = dataclasses.replace(init_state(cfg, max_len, jnp.bfloat16), position=jnp.asarray(context))
+
             def body(carry):
                 state, i = carry
                 for _ in range(unroll):
@@ -208,7 +225,9 @@ def main() -> None:
     ap.add_argument("--variants", default="shipped,host_while", help=f"of {list(VARIANTS)}")
     ap.add_argument("--hlo-dir", default=None)
     ap.add_argument(
-        "--chains", default="1,1-nested,2", help="decode chains timed beside the device loop, interleaved; empty: none"
+        "--chains",
+        default="1,1-nested,2",
+        help="decode chains (U, U-nested, U-internal) timed beside the device loop, interleaved; empty: none",
     )
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--chain-iterations", type=int, default=33)

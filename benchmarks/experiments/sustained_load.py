@@ -2,13 +2,21 @@
 step's % of the roofline)? device_loop_profile's interleaved trials (2b4cecd) ran every configuration's first trial
 2.48-2.53 ms a step and every later one 2.63-2.68, the generation loop and bare decode chains alike.
 
-Here: the XLA read roofline (`jspec_bench.roofline._xla_sum_Bps`, 2 GiB) cold; then the Qwen3.5 decode chain of
-`device_loop_profile.chain_walls` (one step a while-loop iteration) timed in back-to-back windows of --window-s for
---load-s seconds, each window with the GPU's SM and memory clocks, power, temperature and active throttle reasons
-(`nvidia-smi`, sampled right after the window); then the roofline again, hot, and the chain once more after an idle
---rest-s. A step that slows while the roofline holds is latency-bound work paying a lower SM clock.
+--phases, in order (comma-separated): "roofline", the XLA read roofline (`jspec_bench.roofline._xla_sum_Bps`, 2 GiB);
+"chain:S", S seconds of the Qwen3.5 decode chain of `device_loop_profile.chain_walls` (one step a while-loop
+iteration, on the Engine's prepared weights) timed in back-to-back windows of --window-s, each window with the GPU's
+SM and memory clocks, power, temperature and active throttle reasons (`nvidia-smi`, sampled right after it);
+"rest:S", S idle seconds; "generate:R", R timed greedy generations on the device loop (ms a token over --new-tokens
+minus 1; the first one compiles and warms it). A step that slows while the roofline holds is latency-bound work
+paying a lower SM clock; a chain that slows after "generate" (as in device_loop_profile's interleaved run) says a
+generation leaves something behind.
+
+Runs: experiments/results/sustained_load_qwen35_h200.json (b721c5b, the default phases): the chain 2.49-2.51 ms a
+step through a minute of load, clocks at 1980 / 3201 MHz, ~510 W, no throttle reason; the roofline 4.223 TB/s cold,
+4.218 hot: no drift.
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
+    python3 benchmarks/experiments/sustained_load.py --phases chain:8,generate:3,chain:8,generate:3,chain:8 --out ...
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -26,13 +35,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/: device_loop_profile
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 from device_loop_profile import chain_walls  # noqa: E402
 
+from jspec.engine import Engine  # noqa: E402
 from jspec_bench.roofline import _xla_sum_Bps  # noqa: E402
 from jspec_bench.shapes import model_config, random_int4_params  # noqa: E402
-from pallas_kernels import get_backend  # noqa: E402
-from pallas_kernels.prepare import prepare_params  # noqa: E402
 
+# The run of b721c5b (sustained_load_qwen35_h200.json): the read roofline cold, a minute of the chain, the roofline
+# hot, a rest, the chain again.
+PHASES = "roofline,chain:60,roofline,rest:20,chain:4"
 SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
@@ -58,19 +70,26 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3.5")
     ap.add_argument("--context", type=int, default=320)
     ap.add_argument("--iterations", type=int, default=33)
-    ap.add_argument("--load-s", type=float, default=60.0)
     ap.add_argument("--window-s", type=float, default=4.0)
-    ap.add_argument("--rest-s", type=float, default=20.0)
-    ap.add_argument("--quick", action="store_true", help="CPU smoke run: the tiny shrunk shape, a short load")
+    ap.add_argument("--new-tokens", type=int, default=65)
+    ap.add_argument("--phases", default=PHASES, help="what runs, in order (module docstring)")
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run: the tiny shrunk shape, short phases")
     opts = ap.parse_args()
     t0 = time.perf_counter()
     cfg = model_config(opts.model, opts.quick)
-    params = prepare_params(random_int4_params(cfg, 0, True), "bfloat16", get_backend())
-    wall, trips, _ = chain_walls(params, cfg, opts.context, ["1"], opts.iterations)["1"]
+    n = 9 if opts.quick else opts.new_tokens
+    engine = Engine(random_int4_params(cfg, 0, True), cfg, max_len=opts.context + n + 16, k=1, prefill_chunk=128)
+    prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, (opts.context,)).astype(np.int32)
+    wall, trips, _ = chain_walls(engine.params, cfg, opts.context, ["1"], opts.iterations)["1"]
     short = wall(1)
 
     def per_step() -> float:
         return 1e3 * (wall(trips) - short) / (trips - 1)
+
+    def generation(tokens: int) -> float:
+        g0 = time.perf_counter()
+        engine.generate(prompt, tokens, eos_id=(), on_device=True)
+        return time.perf_counter() - g0
 
     out = {
         "meta": {
@@ -80,30 +99,39 @@ def main() -> None:
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "model": opts.model,
             "context": opts.context,
+            "phases": opts.phases,
         },
         "idle": gpu_sample(),
+        "phases": [],
     }
-    n = 2**24 if opts.quick else 2**30  # bf16 elements: 2 GiB on the GPU
-    out["roofline_cold_Bps"] = _xla_sum_Bps(n)
-    windows = []
-    start = time.perf_counter()
-    while time.perf_counter() - start < (2 * opts.window_s if opts.quick else opts.load_s):
-        w0, steps = time.perf_counter(), []
-        while time.perf_counter() - w0 < opts.window_s:
-            steps.append(per_step())
-        steps.sort()
-        windows.append({"t_s": time.perf_counter() - start, "ms_per_step": steps[len(steps) // 2]} | gpu_sample())
-        print(f"  {windows[-1]}", flush=True)
-    out["windows"] = windows
-    out["roofline_hot_Bps"] = _xla_sum_Bps(n)
-    time.sleep(opts.rest_s)
-    out["after_rest"] = {"ms_per_step": per_step()} | gpu_sample()
+    elements = 2**24 if opts.quick else 2**30  # bf16: 2 GiB on the GPU
+    for phase in opts.phases.split(","):
+        kind, _, arg = phase.partition(":")
+        start = time.perf_counter()
+        if kind == "roofline":
+            result = {"read_Bps": _xla_sum_Bps(elements)}
+        elif kind == "rest":
+            time.sleep(min(float(arg), 1.0) if opts.quick else float(arg))
+            result = {}
+        elif kind == "chain":
+            windows = []
+            while time.perf_counter() - start < (min(float(arg), 2 * opts.window_s) if opts.quick else float(arg)):
+                w0, steps = time.perf_counter(), []
+                while time.perf_counter() - w0 < opts.window_s:
+                    steps.append(per_step())
+                windows.append({"ms_per_step": statistics.median(steps), "steps": len(steps)} | gpu_sample())
+            result = {"windows": windows}
+        elif kind == "generate":
+            if not out.get("generation_compiled_s"):
+                g0 = time.perf_counter()
+                generation(n), generation(1)
+                out["generation_compiled_s"] = time.perf_counter() - g0
+            result = {"ms_per_token": [1e3 * (generation(n) - generation(1)) / (n - 1) for _ in range(int(arg))]}
+        else:
+            raise ValueError(f"unknown phase {phase!r}: roofline, rest:S, chain:S or generate:R")
+        out["phases"].append({"phase": phase, "t_s": time.perf_counter() - t0} | result | gpu_sample())
+        print(f"  {out['phases'][-1]}", flush=True)
     out["meta"]["elapsed_s"] = time.perf_counter() - t0
-    print(
-        f"roofline cold {out['roofline_cold_Bps'] / 1e12:.3f} TB/s, hot {out['roofline_hot_Bps'] / 1e12:.3f}; "
-        f"after {opts.rest_s:.0f} s rest {out['after_rest']['ms_per_step']:.3f} ms a step",
-        flush=True,
-    )
     with open(opts.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"results: {opts.out} ({out['meta']['elapsed_s']:.0f} s)")
