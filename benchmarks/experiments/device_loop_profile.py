@@ -33,7 +33,7 @@ Runs (Qwen3.5 text shape, 320-token random prompts, 64 tokens; experiments/resul
 - device_loop_interleaved_qwen35_h200.json (2b4cecd): first trials 2.532 / 2.475 / 2.483 (1, 1-nested, 2), the
   generation 2.688; every later trial of every chain 2.62-2.69, the generation 2.65-2.68: neither the
   conditional's per-iteration cost nor the nesting shows; after the first round of trials the chains ran as slowly as
-  the generation (sustained_load.py: not heat).
+  the generation (on another machine start the chain alone held 2.49-2.51 for a minute: sustained_load.py).
 
     python3 benchmarks/experiments/device_loop_profile.py --commit SHA --out $OUT/device_loop_profile_h200.json
     python3 benchmarks/experiments/device_loop_profile.py --quick --out /tmp/device_loop_profile_cpu.json
