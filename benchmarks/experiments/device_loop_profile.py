@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import datetime
 import gzip
 import json
 import os
@@ -64,6 +63,7 @@ from jspec import engine as engine_module  # noqa: E402
 from jspec.engine import Engine, compiler_options  # noqa: E402
 from jspec.state import init_state  # noqa: E402
 from jspec.steps import commit, decode_step  # noqa: E402
+from jspec_bench.report import experiment_meta  # noqa: E402
 from jspec_bench.shapes import copy_tree, model_config, random_int4_params, random_state, step_bytes  # noqa: E402
 from jspec_bench.steps import lower_steps  # noqa: E402
 from jspec_bench.timing import kernel_times, profile  # noqa: E402
@@ -235,14 +235,7 @@ def main() -> None:
     opts = ap.parse_args()
     t0 = time.perf_counter()
     out = {
-        "meta": {
-            "commit": opts.commit,
-            "jax": jax.__version__,
-            "device": jax.devices()[0].device_kind,
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "new_tokens": opts.new_tokens,
-            "prompt_len": opts.prompt_len,
-        },
+        "meta": experiment_meta(opts.commit, new_tokens=opts.new_tokens, prompt_len=opts.prompt_len),
         "models": {},
     }
     n = 9 if opts.quick else opts.new_tokens

@@ -24,7 +24,6 @@ Runs: experiments/results/recurrent_variants_qwen35_h200.json and recurrent_vari
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import itertools
 import json
@@ -42,6 +41,7 @@ import numpy as np  # noqa: E402
 
 from jspec.exactness import bits  # noqa: E402
 from jspec_bench.hybrid import recurrent_args, recurrent_cost  # noqa: E402
+from jspec_bench.report import experiment_meta  # noqa: E402
 from jspec_bench.shapes import model_config  # noqa: E402
 from pallas_kernels import ROW_TILE, recurrent  # noqa: E402
 
@@ -94,16 +94,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, interpret mode")
     opts = ap.parse_args()
     t0 = time.perf_counter()
-    dev = jax.devices()[0]
     out = {
-        "meta": {
-            "commit": opts.commit,
-            "jax": jax.__version__,
-            "device": dev.device_kind,
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "row_tile": ROW_TILE,
-            "calls": opts.calls,
-        },
+        "meta": experiment_meta(opts.commit, row_tile=ROW_TILE, calls=opts.calls),
         "models": {},
     }
     grid = list(

@@ -22,7 +22,6 @@ step through a minute of load, clocks at 1980 / 3201 MHz, ~510 W, no throttle re
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -34,11 +33,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: jspec_bench
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/: device_loop_profile
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from device_loop_profile import chain_walls  # noqa: E402
 
 from jspec.engine import Engine  # noqa: E402
+from jspec_bench.report import experiment_meta  # noqa: E402
 from jspec_bench.roofline import _xla_sum_Bps  # noqa: E402
 from jspec_bench.shapes import model_config, random_int4_params  # noqa: E402
 
@@ -92,15 +91,7 @@ def main() -> None:
         return time.perf_counter() - g0
 
     out = {
-        "meta": {
-            "commit": opts.commit,
-            "jax": jax.__version__,
-            "device": jax.devices()[0].device_kind,
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "model": opts.model,
-            "context": opts.context,
-            "phases": opts.phases,
-        },
+        "meta": experiment_meta(opts.commit, model=opts.model, context=opts.context, phases=opts.phases),
         "idle": gpu_sample(),
         "phases": [],
     }

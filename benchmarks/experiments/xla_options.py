@@ -30,7 +30,6 @@ against 7.8 at 27B), the kernels the same (431 / 855 launches, 2.52 / 6.52 ms): 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
@@ -46,6 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jspec.engine import compiler_options  # noqa: E402
+from jspec_bench.report import experiment_meta  # noqa: E402
 from jspec_bench.roofline import measure_roofline  # noqa: E402
 from jspec_bench.shapes import copy_tree, model_config, random_int4_params, random_state, step_bytes  # noqa: E402
 from jspec_bench.steps import _bitwise_check, lower_steps  # noqa: E402
@@ -80,16 +80,9 @@ def main() -> None:
     t0 = time.perf_counter()
     on_gpu = jax.default_backend() == "gpu"
     out = {
-        "meta": {
-            "commit": opts.commit,
-            "jax": jax.__version__,
-            "device": jax.devices()[0].device_kind,
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "model": opts.model,
-            "k": opts.k,
-            "context": opts.context,
-            "shipped_options": compiler_options(),
-        },
+        "meta": experiment_meta(
+            opts.commit, model=opts.model, k=opts.k, context=opts.context, shipped_options=compiler_options()
+        ),
         "variants": {},
     }
     roof = None

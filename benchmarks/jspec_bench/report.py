@@ -103,6 +103,18 @@ class Context:
     kept: dict = dataclasses.field(default_factory=dict)  # params kept for a later section: name -> (params, cfg)
 
 
+def experiment_meta(commit: str, **fields) -> dict:
+    """The meta block of an experiment's JSON (benchmarks/experiments/): the commit the caller names, the jax
+    version, the device, the date, then the experiment's own fields."""
+    return {
+        "commit": commit,
+        "jax": jax.__version__,
+        "device": jax.devices()[0].device_kind,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **fields,
+    }
+
+
 def _meta(opts: Options, argv) -> dict:
     dev = jax.devices()[0]
     meta = {
