@@ -45,7 +45,6 @@ import argparse
 import collections
 import dataclasses
 import gzip
-import json
 import os
 import re
 import statistics
@@ -63,7 +62,7 @@ from jspec import engine as engine_module  # noqa: E402
 from jspec.engine import Engine, compiler_options  # noqa: E402
 from jspec.state import init_state  # noqa: E402
 from jspec.steps import commit, decode_step  # noqa: E402
-from jspec_bench.report import experiment_meta  # noqa: E402
+from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
 from jspec_bench.shapes import copy_tree, model_config, random_int4_params, random_state, step_bytes  # noqa: E402
 from jspec_bench.steps import lower_steps  # noqa: E402
 from jspec_bench.timing import kernel_times, profile  # noqa: E402
@@ -290,10 +289,7 @@ def main() -> None:
             del engine
         engine_module.GPU_COMPILER_OPTIONS = SHIPPED
         del params
-    out["meta"]["elapsed_s"] = time.perf_counter() - t0
-    with open(opts.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"results: {opts.out} ({out['meta']['elapsed_s']:.0f} s)")
+    save_experiment(out, opts.out, t0)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
 import os
 import sys
 import time
@@ -41,7 +40,7 @@ import numpy as np  # noqa: E402
 
 from jspec.exactness import bits  # noqa: E402
 from jspec_bench.hybrid import recurrent_args, recurrent_cost  # noqa: E402
-from jspec_bench.report import experiment_meta  # noqa: E402
+from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
 from jspec_bench.shapes import model_config  # noqa: E402
 from pallas_kernels import ROW_TILE, recurrent  # noqa: E402
 
@@ -144,9 +143,7 @@ def main() -> None:
                 print(f"{name} {key}: {r['status']}", flush=True)
             jax.clear_caches()
         restore()
-    with open(opts.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"results: {opts.out} ({time.perf_counter() - t0:.0f} s)")
+    save_experiment(out, opts.out, t0)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ step through a minute of load, clocks at 1980 / 3201 MHz, ~510 W, no throttle re
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -37,7 +36,7 @@ import numpy as np  # noqa: E402
 from device_loop_profile import chain_walls  # noqa: E402
 
 from jspec.engine import Engine  # noqa: E402
-from jspec_bench.report import experiment_meta  # noqa: E402
+from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
 from jspec_bench.roofline import _xla_sum_Bps  # noqa: E402
 from jspec_bench.shapes import model_config, random_int4_params  # noqa: E402
 
@@ -122,10 +121,7 @@ def main() -> None:
             raise ValueError(f"unknown phase {phase!r}: roofline, rest:S, chain:S or generate:R")
         out["phases"].append({"phase": phase, "t_s": time.perf_counter() - t0} | result | gpu_sample())
         print(f"  {out['phases'][-1]}", flush=True)
-    out["meta"]["elapsed_s"] = time.perf_counter() - t0
-    with open(opts.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"results: {opts.out} ({out['meta']['elapsed_s']:.0f} s)")
+    save_experiment(out, opts.out, t0)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 import time
@@ -45,7 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jspec.engine import compiler_options  # noqa: E402
-from jspec_bench.report import experiment_meta  # noqa: E402
+from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
 from jspec_bench.roofline import measure_roofline  # noqa: E402
 from jspec_bench.shapes import copy_tree, model_config, random_int4_params, random_state, step_bytes  # noqa: E402
 from jspec_bench.steps import _bitwise_check, lower_steps  # noqa: E402
@@ -153,10 +152,7 @@ def main() -> None:
             + f"bitwise {'equal' if res['bitwise_equal_decode'] else 'DIFFERENT'}",
             flush=True,
         )
-    out["meta"]["elapsed_s"] = time.perf_counter() - t0
-    with open(opts.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"results: {opts.out} ({out['meta']['elapsed_s']:.0f} s)")
+    save_experiment(out, opts.out, t0)
 
 
 if __name__ == "__main__":

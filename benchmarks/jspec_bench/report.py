@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import subprocess
+import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -113,6 +114,14 @@ def experiment_meta(commit: str, **fields) -> dict:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         **fields,
     }
+
+
+def save_experiment(out: dict, path: str, t0: float) -> None:
+    """Write an experiment's JSON to path with meta.elapsed_s (seconds since t0, a `time.perf_counter()`)."""
+    out["meta"]["elapsed_s"] = time.perf_counter() - t0
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"results: {path} ({out['meta']['elapsed_s']:.0f} s)")
 
 
 def _meta(opts: Options, argv) -> dict:
