@@ -46,6 +46,7 @@ import argparse
 import collections
 import dataclasses
 import gzip
+import itertools
 import os
 import statistics
 import sys
@@ -65,7 +66,7 @@ from jspec.steps import commit, decode_step  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
 from jspec_bench.shapes import copy_tree, model_config, random_int4_params, random_state, step_bytes  # noqa: E402
 from jspec_bench.steps import lower_steps  # noqa: E402
-from jspec_bench.timing import kernel_times, profile  # noqa: E402
+from jspec_bench.timing import kernel_times, profile, stream_events  # noqa: E402
 from pallas_kernels import ROW_TILE  # noqa: E402
 
 SHIPPED = dict(engine_module.GPU_COMPILER_OPTIONS)
@@ -80,28 +81,29 @@ TOP_GAPS = 12  # the (kernel before, kernel after) pairs reported, by their idle
 def stream_gaps(prof) -> collections.Counter:
     """{(kernel before, kernel after): idle microseconds} over the GPU planes' stream lines of a profile."""
     gaps: collections.Counter = collections.Counter()
-    for plane in prof.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if not line.name.startswith("Stream"):
-                continue
-            prev = None
-            for event in sorted(line.events, key=lambda e: e.start_ns):
-                if prev is not None and event.start_ns > prev.end_ns:
-                    gaps[(prev.name[:60], event.name[:60])] += (event.start_ns - prev.end_ns) / 1e3
-                prev = event
+    for events in stream_events(prof):
+        for prev, event in itertools.pairwise(events):
+            if event.start_ns > prev.end_ns:
+                gaps[(prev.name[:60], event.name[:60])] += (event.start_ns - prev.end_ns) / 1e3
     return gaps
+
+
+def generation_wall(engine: Engine, prompt: np.ndarray, on_device: bool = True):
+    """wall(tokens) -> seconds of one greedy generation of `tokens` new tokens after prompt, on the device loop or
+    the host loop."""
+
+    def wall(tokens: int) -> float:
+        t0 = time.perf_counter()
+        engine.generate(prompt, tokens, eos_id=(), on_device=on_device)
+        return time.perf_counter() - t0
+
+    return wall
 
 
 def measure(engine: Engine, prompt: np.ndarray, n: int, on_device: bool, repeats: int) -> dict:
     """Per token over n - 1 tokens: the wall (median of repeats), the GPU kernels and the stream's gaps."""
 
-    def run(tokens: int):
-        t0 = time.perf_counter()
-        engine.generate(prompt, tokens, eos_id=(), on_device=on_device)
-        return time.perf_counter() - t0
-
+    run = generation_wall(engine, prompt, on_device)
     run(n)  # compile, warm
     run(1)
     wall = statistics.median(run(n) - run(1) for _ in range(repeats)) / (n - 1)
@@ -237,11 +239,7 @@ def main() -> None:
         iterations = 3 if opts.quick else opts.chain_iterations
         walls = chain_walls(engine.params, cfg, opts.prompt_len, [c for c in opts.chains.split(",") if c], iterations)
 
-        def generation(tokens: int, engine=engine, prompt=prompt) -> float:
-            t0 = time.perf_counter()
-            engine.generate(prompt, tokens, eos_id=(), on_device=True)
-            return time.perf_counter() - t0
-
+        generation = generation_wall(engine, prompt)
         walls["generate_on_device"] = (generation, n, 1)
         generation(n), generation(1)
         res["interleaved"] = interleaved(walls, opts.trials)

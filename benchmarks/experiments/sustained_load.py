@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/: device_loop_profile
 
 import numpy as np  # noqa: E402
-from device_loop_profile import chain_walls  # noqa: E402
+from device_loop_profile import chain_walls, generation_wall  # noqa: E402
 
 from jspec.engine import Engine  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
@@ -84,10 +84,7 @@ def main() -> None:
     def per_step() -> float:
         return 1e3 * (wall(trips) - short) / (trips - 1)
 
-    def generation(tokens: int) -> float:
-        g0 = time.perf_counter()
-        engine.generate(prompt, tokens, eos_id=(), on_device=True)
-        return time.perf_counter() - g0
+    generation = generation_wall(engine, prompt)
 
     out = {
         "meta": experiment_meta(opts.commit, model=opts.model, context=opts.context, phases=opts.phases),

@@ -141,6 +141,16 @@ KERNEL_GROUPS = (
 TOP_KERNELS = 24  # the costliest kernels a profile names (`kernel_times`' top_kernels_us)
 
 
+def stream_events(profile):
+    """The kernel events of each stream line on the GPU planes of a `jax.profiler.ProfileData`, one list per line,
+    in start order."""
+    for plane in profile.planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                if line.name.startswith("Stream"):
+                    yield sorted(line.events, key=lambda e: e.start_ns)
+
+
 def kernel_times(profile, calls: int) -> dict:
     """GPU kernel time per call from a `jax.profiler.ProfileData` of `calls` calls: every kernel event on the GPU
     planes' stream lines, summed by name and by `KERNEL_GROUPS` group, in microseconds per call; and where the
@@ -149,20 +159,15 @@ def kernel_times(profile, calls: int) -> dict:
     by_name: dict[str, float] = {}
     idle_before: dict[str, float] = {}
     launches = 0
-    for plane in profile.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if not line.name.startswith("Stream"):
-                continue
-            end = None
-            for event in sorted(line.events, key=lambda e: e.start_ns):
-                by_name[event.name] = by_name.get(event.name, 0.0) + event.duration_ns / 1e3 / calls
-                launches += 1
-                if end is not None and event.start_ns > end:
-                    gap = (event.start_ns - end) / 1e3 / calls
-                    idle_before[event.name] = idle_before.get(event.name, 0.0) + gap
-                end = max(end or 0, event.end_ns)
+    for events in stream_events(profile):
+        end = None
+        for event in events:
+            by_name[event.name] = by_name.get(event.name, 0.0) + event.duration_ns / 1e3 / calls
+            launches += 1
+            if end is not None and event.start_ns > end:
+                gap = (event.start_ns - end) / 1e3 / calls
+                idle_before[event.name] = idle_before.get(event.name, 0.0) + gap
+            end = max(end or 0, event.end_ns)
     groups: dict[str, float] = {}
     for name, us in by_name.items():
         group = next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "XLA ops")
