@@ -32,8 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: jspec_bench
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/: device_loop_profile
 
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from device_loop_profile import chain_walls, generation_wall  # noqa: E402
+from device_loop_profile import chain_walls, generation_wall, step_profiler  # noqa: E402
 
 from jspec.engine import Engine  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
@@ -85,6 +86,13 @@ def main() -> None:
         return 1e3 * (wall(trips) - short) / (trips - 1)
 
     generation = generation_wall(engine, prompt)
+    step_kernels = None  # the decode step's profiler, compiled at the first "stepprof"
+
+    def warm_generation() -> None:
+        if not out.get("generation_compiled_s"):
+            g0 = time.perf_counter()
+            generation(n), generation(1)
+            out["generation_compiled_s"] = time.perf_counter() - g0
 
     out = {
         "meta": experiment_meta(opts.commit, model=opts.model, context=opts.context, phases=opts.phases),
@@ -108,14 +116,22 @@ def main() -> None:
                     steps.append(per_step())
                 windows.append({"ms_per_step": statistics.median(steps), "steps": len(steps)} | gpu_sample())
             result = {"windows": windows}
+        elif kind == "warm":
+            warm_generation()
+            result = {}
         elif kind == "generate":
-            if not out.get("generation_compiled_s"):
-                g0 = time.perf_counter()
-                generation(n), generation(1)
-                out["generation_compiled_s"] = time.perf_counter() - g0
+            warm_generation()
             result = {"ms_per_token": [1e3 * (generation(n) - generation(1)) / (n - 1) for _ in range(int(arg))]}
+        elif kind == "stepprof":
+            step_kernels = step_kernels or step_profiler(engine.params, cfg, opts.context)
+            result = {"step": step_kernels and step_kernels()}
+        elif kind == "alloc":
+            big = jnp.zeros((int(float(arg) * 2**29),), jnp.uint16)  # arg GiB
+            big.block_until_ready()
+            del big
+            result = {}
         else:
-            raise ValueError(f"unknown phase {phase!r}: roofline, rest:S, chain:S or generate:R")
+            raise ValueError(f"unknown phase {phase!r}: roofline, rest:S, chain:S, warm, generate:R, stepprof, alloc:G")
         out["phases"].append({"phase": phase, "t_s": time.perf_counter() - t0} | result | gpu_sample())
         print(f"  {out['phases'][-1]}", flush=True)
     save_experiment(out, opts.out, t0)
