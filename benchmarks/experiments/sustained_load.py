@@ -32,11 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: jspec_bench
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/: device_loop_profile
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from device_loop_profile import chain_walls, generation_wall, step_profiler  # noqa: E402
 
-from jspec.engine import Engine  # noqa: E402
+from jspec.engine import Engine, compiler_options  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
 from jspec_bench.roofline import _xla_sum_Bps  # noqa: E402
 from jspec_bench.shapes import model_config, random_int4_params  # noqa: E402
@@ -44,6 +45,7 @@ from jspec_bench.shapes import model_config, random_int4_params  # noqa: E402
 # The run of b721c5b (sustained_load_qwen35_h200.json): the read roofline cold, a minute of the chain, the roofline
 # hot, a rest, the chain again.
 PHASES = "roofline,chain:60,roofline,rest:20,chain:4"
+PHASE_KINDS = "roofline, rest:S, chain:S, warm, generate:R, hostgen:T, gemm, stepprof, alloc:G"
 SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
@@ -125,13 +127,18 @@ def main() -> None:
         elif kind == "stepprof":
             step_kernels = step_kernels or step_profiler(engine.params, cfg, opts.context)
             result = {"step": step_kernels and step_kernels()}
+        elif kind == "hostgen":
+            result = {"wall_s": generation_wall(engine, prompt, on_device=False)(int(arg))}
+        elif kind == "gemm":
+            a = jnp.ones((4096, 4096), jnp.bfloat16)
+            result = {"sum": float(jax.jit(jnp.dot).lower(a, a).compile(compiler_options())(a, a).sum())}
         elif kind == "alloc":
             big = jnp.zeros((int(float(arg) * 2**29),), jnp.uint16)  # arg GiB
             big.block_until_ready()
             del big
             result = {}
         else:
-            raise ValueError(f"unknown phase {phase!r}: roofline, rest:S, chain:S, warm, generate:R, stepprof, alloc:G")
+            raise ValueError(f"unknown phase {phase!r}: {PHASE_KINDS}")
         out["phases"].append({"phase": phase, "t_s": time.perf_counter() - t0} | result | gpu_sample())
         print(f"  {out['phases'][-1]}", flush=True)
     save_experiment(out, opts.out, t0)
