@@ -22,6 +22,7 @@ step through a minute of load, clocks at 1980 / 3201 MHz, ~510 W, no throttle re
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -41,11 +42,14 @@ from jspec.engine import Engine, compiler_options  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
 from jspec_bench.roofline import _xla_sum_Bps  # noqa: E402
 from jspec_bench.shapes import model_config, random_int4_params  # noqa: E402
+from pallas_kernels.int4_ws import Int4Codes  # noqa: E402
+from pallas_kernels.matmul import linear  # noqa: E402
+from pallas_kernels.prefill_attention import chunk_attention  # noqa: E402
 
 # The run of b721c5b (sustained_load_qwen35_h200.json): the read roofline cold, a minute of the chain, the roofline
 # hot, a rest, the chain again.
 PHASES = "roofline,chain:60,roofline,rest:20,chain:4"
-PHASE_KINDS = "roofline, rest:S, chain:S, warm, generate:R, hostgen:T, gemm, stepprof, alloc:G"
+PHASE_KINDS = "roofline, rest:S, chain:S, warm, generate:R, hostgen:T, attn, dqgemm, gemm, stepprof, alloc:G"
 SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
@@ -62,6 +66,27 @@ def gpu_sample() -> dict:
         return dict(zip(SMI_FIELDS.split(","), (v.strip() for v in line.split(",")), strict=True))
     except Exception as e:  # a fact of the machine, not a failure of the run
         return {"error": f"{type(e).__name__}: {e}"[:200]}
+
+
+def prefill_attention_once(cfg, context: int) -> float:
+    """One prefill chunk's attention (`chunk_attention`, 128 query rows at `context` over the cache) at cfg's heads."""
+    d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    q = jnp.ones((128, hq, d), jnp.bfloat16)
+    kv = jnp.ones((context + 128, hkv, 2, d), jnp.bfloat16)
+    run = jax.jit(functools.partial(chunk_attention, scale=d**-0.5)).lower(q, kv, context).compile(compiler_options())
+    return float(run(q, kv, context).astype(jnp.float32).sum())
+
+
+def prefill_products_once(params) -> list:
+    """A prefill chunk's product (`linear`, 128 rows) with every distinct int4 weight shape of params, once each."""
+    shapes = {}
+    for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Int4Codes)):
+        if isinstance(w, Int4Codes):
+            shapes.setdefault(tuple(w.shape), w)
+    for (k, _), w in shapes.items():
+        x = jnp.ones((128, k), jnp.bfloat16)
+        jax.jit(linear).lower(x, w).compile(compiler_options())(x, w).block_until_ready()
+    return [list(s) for s in shapes]
 
 
 def main() -> None:
@@ -129,6 +154,10 @@ def main() -> None:
             result = {"step": step_kernels and step_kernels()}
         elif kind == "hostgen":
             result = {"wall_s": generation_wall(engine, prompt, on_device=False)(int(arg))}
+        elif kind == "attn":
+            result = {"sum": prefill_attention_once(cfg, opts.context)}
+        elif kind == "dqgemm":
+            result = {"shapes": prefill_products_once(engine.params)}
         elif kind == "gemm":
             a = jnp.ones((4096, 4096), jnp.bfloat16)
             result = {"sum": float(jax.jit(jnp.dot).lower(a, a).compile(compiler_options())(a, a).sum())}
