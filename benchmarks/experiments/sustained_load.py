@@ -36,9 +36,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/: 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from device_loop_profile import chain_walls, generation_wall, step_profiler  # noqa: E402
+from device_loop_profile import VARIANTS, chain_walls, generation_wall, step_profiler  # noqa: E402
 
 from jspec.engine import Engine, compiler_options  # noqa: E402
+from jspec.state import init_state  # noqa: E402
+from jspec.steps import prefill  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
 from jspec_bench.roofline import _xla_sum_Bps  # noqa: E402
 from jspec_bench.shapes import model_config, random_int4_params  # noqa: E402
@@ -49,7 +51,9 @@ from pallas_kernels.prefill_attention import chunk_attention  # noqa: E402
 # The run of b721c5b (sustained_load_qwen35_h200.json): the read roofline cold, a minute of the chain, the roofline
 # hot, a rest, the chain again.
 PHASES = "roofline,chain:60,roofline,rest:20,chain:4"
-PHASE_KINDS = "roofline, rest:S, chain:S, warm, generate:R, hostgen:T, attn, dqgemm, gemm, stepprof, alloc:G"
+PHASE_KINDS = (
+    "roofline, rest:S, chain:S, warm, generate:R, hostgen:T, prefill:MODE, attn, dqgemm, gemm, stepprof, alloc:G"
+)
 SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
@@ -75,6 +79,27 @@ def prefill_attention_once(cfg, context: int) -> float:
     kv = jnp.ones((context + 128, hkv, 2, d), jnp.bfloat16)
     run = jax.jit(functools.partial(chunk_attention, scale=d**-0.5)).lower(q, kv, context).compile(compiler_options())
     return float(run(q, kv, context).astype(jnp.float32).sum())
+
+
+PREFILL_MODES = {  # prefill:MODE -> the XLA options its executable compiles with on the GPU
+    "shipped": VARIANTS["shipped"],
+    "compile": VARIANTS["shipped"],  # compiled, not run
+    "host_while": VARIANTS["host_while"],  # no WHILE / CONDITIONAL command buffers: the host drives the loops
+    "no_graphs": VARIANTS["shipped"] | {"xla_gpu_enable_command_buffer": ""},
+}
+
+
+def prefill_once(params, cfg, prompt: np.ndarray, mode: str) -> float:
+    """The prompt's prefill (`jspec.steps.prefill`, 128-position chunks) as its own executable, compiled with
+    PREFILL_MODES[mode] and run once (mode "compile": not run); the seconds it took."""
+    t0 = time.perf_counter()
+    state = init_state(cfg, prompt.size + 16, jnp.bfloat16)
+    args = (params, state, jnp.asarray(prompt), jnp.asarray(prompt.size, jnp.int32))
+    options = compiler_options() and PREFILL_MODES[mode]
+    run = jax.jit(lambda p, s, t, n: prefill(p, cfg, s, t, n, chunk=128)).lower(*args).compile(options)
+    if mode != "compile":
+        run(*args)[1].block_until_ready()
+    return time.perf_counter() - t0
 
 
 def prefill_products_once(params) -> list:
@@ -154,6 +179,8 @@ def main() -> None:
             result = {"step": step_kernels and step_kernels()}
         elif kind == "hostgen":
             result = {"wall_s": generation_wall(engine, prompt, on_device=False)(int(arg))}
+        elif kind == "prefill":
+            result = {"wall_s": prefill_once(engine.params, cfg, prompt, arg)}
         elif kind == "attn":
             result = {"sum": prefill_attention_once(cfg, opts.context)}
         elif kind == "dqgemm":
