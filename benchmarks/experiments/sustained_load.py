@@ -52,7 +52,8 @@ from pallas_kernels.prefill_attention import chunk_attention  # noqa: E402
 # hot, a rest, the chain again.
 PHASES = "roofline,chain:60,roofline,rest:20,chain:4"
 PHASE_KINDS = (
-    "roofline, rest:S, chain:S, warm, generate:R, hostgen:T, prefill:MODE, attn, dqgemm, gemm, stepprof, alloc:G"
+    "roofline, rest:S, chain:S, warm, generate:R, hostgen:T, devexec:MODE, otherchain:LABEL, prefill:MODE, attn, "
+    "dqgemm, gemm, stepprof, alloc:G"
 )
 SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
@@ -99,6 +100,21 @@ def prefill_once(params, cfg, prompt: np.ndarray, mode: str) -> float:
     run = jax.jit(lambda p, s, t, n: prefill(p, cfg, s, t, n, chunk=128)).lower(*args).compile(options)
     if mode != "compile":
         run(*args)[1].block_until_ready()
+    return time.perf_counter() - t0
+
+
+def device_exec_once(engine: Engine, prompt: np.ndarray, n: int, mode: str) -> float:
+    """The greedy on-device generation's executable (`Engine._device_exec`): mode "compile" compiles it, "run" runs
+    it once (no copy back), "get" runs it and copies its result to the host as `Engine.generate` does."""
+    t0 = time.perf_counter()
+    settings = engine.settings()
+    weights = engine._checked_weights(settings)
+    run = engine._device_exec(settings, weights)
+    if mode != "compile":
+        out = run(weights, *engine.request(prompt, n, ()).loop_args(engine.max_len))
+        jax.block_until_ready(out)
+        if mode == "get":
+            jax.device_get(out).raise_if_error()
     return time.perf_counter() - t0
 
 
@@ -179,6 +195,12 @@ def main() -> None:
             result = {"step": step_kernels and step_kernels()}
         elif kind == "hostgen":
             result = {"wall_s": generation_wall(engine, prompt, on_device=False)(int(arg))}
+        elif kind == "devexec":
+            result = {"wall_s": device_exec_once(engine, prompt, n, arg)}
+        elif kind == "otherchain":
+            g0 = time.perf_counter()
+            chain_walls(engine.params, cfg, opts.context, [arg], 3)
+            result = {"wall_s": time.perf_counter() - g0}
         elif kind == "prefill":
             result = {"wall_s": prefill_once(engine.params, cfg, prompt, arg)}
         elif kind == "attn":
