@@ -1,22 +1,41 @@
-"""Does a decode step slow down under sustained load, and does the HBM roofline move with it (issue 33: the Qwen3.5
-step's % of the roofline)? device_loop_profile's interleaved trials (2b4cecd) ran every configuration's first trial
-2.48-2.53 ms a step and every later one 2.63-2.68, the generation loop and bare decode chains alike.
+"""Does a decode step slow down under load, and what slows it (issue 33: the Qwen3.5 step's % of the roofline)? A bare
+decode chain runs 2.49-2.51 ms a step in a fresh process; after the process's first greedy generation on the device
+loop it runs ~2.70, about what every generation's token costs, for as long as the process lives.
 
---phases, in order (comma-separated): "roofline", the XLA read roofline (`jspec_bench.roofline._xla_sum_Bps`, 2 GiB);
-"chain:S", S seconds of the Qwen3.5 decode chain of `device_loop_profile.chain_walls` (one step a while-loop
-iteration, on the Engine's prepared weights) timed in back-to-back windows of --window-s, each window with the GPU's
-SM and memory clocks, power, temperature and active throttle reasons (`nvidia-smi`, sampled right after it);
-"rest:S", S idle seconds; "generate:R", R timed greedy generations on the device loop (ms a token over --new-tokens
-minus 1; the first one compiles and warms it). A step that slows while the roofline holds is latency-bound work
-paying a lower SM clock; a chain that slows after "generate" (as in device_loop_profile's interleaved run) says a
-generation leaves something behind.
+--phases, in order (comma-separated); after each, the GPU's SM and memory clocks, power, temperature and throttle
+reasons (`nvidia-smi`):
+- "roofline": the XLA read roofline (`jspec_bench.roofline._xla_sum_Bps`, 2 GiB).
+- "chain:S": S seconds of the decode chain of `device_loop_profile.chain_walls` (the Engine's prepared weights, one
+  step a while-loop iteration) in back-to-back windows of --window-s, each with the clocks sampled after it.
+- "rest:S": S idle seconds.
+- "warm": the greedy on-device generation compiled and run once (n tokens, then 1); "generate:R": R timed
+  generations (ms a token over --new-tokens minus 1; warms first); "hostgen:T": one host-loop generation of T
+  tokens (T = 1: the prefill and the first token).
+- "devexec:MODE": the Engine's on-device generation executable, "compile" only, "run" once, or "get" (run, copy back).
+- "genpart:PART": a part of the generation (`jspec.loop`) as its own executable, run once: "start", "rounds" (decode
+  rounds without prefill), "prefill_round", "generate_on_device" (the whole, jitted here rather than by the Engine).
+- "prefill:MODE": `jspec.steps.prefill` as its own executable: "compile" only, or run "shipped", "host_while" (no
+  WHILE / CONDITIONAL graphs), "no_graphs".
+- "otherchain:LABEL": another chain (`chain_walls` labels: 1-nested, 1-internal) compiled and run.
+- "attn": one prefill chunk's attention; "dqgemm": a 128-row product with each int4 weight shape; "gemm": a bf16 XLA
+  dot; "stepprof": the decode step's kernels, profiled (`device_loop_profile.step_profiler`); "alloc:G": G GiB
+  allocated and freed.
 
-Runs: experiments/results/sustained_load_qwen35_h200.json (b721c5b, the default phases): the chain 2.49-2.51 ms a
-step through a minute of load, clocks at 1980 / 3201 MHz, ~510 W, no throttle reason; the roofline 4.223 TB/s cold,
-4.218 hot: no drift.
+Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; each call a fresh machine start):
+- sustained_load_qwen35_h200.json (b721c5b, the default phases): the chain 2.49-2.51 ms a step through a minute of
+  load, clocks at 1980 / 3201 MHz, ~510 W, no throttle reason; the roofline 4.223 TB/s cold, 4.218 hot: no drift.
+- sustained_load_generate_{qwen35,llama}_h200.json (c09458f, two processes in one call): the chain 2.493-2.497 ms,
+  the generations 2.63-2.68 ms a token, the chain after them 2.682-2.690; Llama-3-8B (the second process, fast again
+  at its start) 2.372 -> generations 2.48-2.53 -> 2.550. Clocks 1980 / 3201 MHz throughout, no throttle reason.
+- sustained_load_trigger1..5_qwen35_h200.json (15a17bb, 35f3661, 908dd00, 84de6e5, 749229a): the chain stays at
+  2.49-2.55 ms after allocating 40 GiB, a profiled decode step, a bf16 dot, a prefill chunk's attention and int4
+  products, the prefill as its own executable (compiled only, no graphs, host-driven loops, as shipped), two other
+  chains, and compiling the generation's executable; it runs 2.68-2.72 after the first run of the Engine's generation
+  executable (before any copy back), after a host-loop generation of one token, and after a 30 s rest. The decode
+  step's kernels, profiled per call, are unchanged by it (2659 -> 2656 us).
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
-    python3 benchmarks/experiments/sustained_load.py --phases chain:8,generate:3,chain:8,generate:3,chain:8 --out ...
+    python3 benchmarks/experiments/sustained_load.py --phases chain:2,genpart:start,chain:2,genpart:rounds,chain:2 ...
 """
 
 from __future__ import annotations
@@ -39,6 +58,7 @@ import numpy as np  # noqa: E402
 from device_loop_profile import VARIANTS, chain_walls, generation_wall, step_profiler  # noqa: E402
 
 from jspec.engine import Engine, compiler_options  # noqa: E402
+from jspec.loop import decode_round, generate_on_device, prefill_round, start_loop  # noqa: E402
 from jspec.state import init_state  # noqa: E402
 from jspec.steps import prefill  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
@@ -52,8 +72,8 @@ from pallas_kernels.prefill_attention import chunk_attention  # noqa: E402
 # hot, a rest, the chain again.
 PHASES = "roofline,chain:60,roofline,rest:20,chain:4"
 PHASE_KINDS = (
-    "roofline, rest:S, chain:S, warm, generate:R, hostgen:T, devexec:MODE, otherchain:LABEL, prefill:MODE, attn, "
-    "dqgemm, gemm, stepprof, alloc:G"
+    "roofline, rest:S, chain:S, warm, generate:R, hostgen:T, genpart:PART, devexec:MODE, otherchain:LABEL, "
+    "prefill:MODE, attn, dqgemm, gemm, stepprof, alloc:G"
 )
 SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
@@ -115,6 +135,37 @@ def device_exec_once(engine: Engine, prompt: np.ndarray, n: int, mode: str) -> f
         jax.block_until_ready(out)
         if mode == "get":
             jax.device_get(out).raise_if_error()
+    return time.perf_counter() - t0
+
+
+def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, part: str) -> float:
+    """One part of the greedy on-device generation (`jspec.loop`) as its own executable, compiled with the shipped
+    options and run once: "start" (`start_loop`: the fresh state holding the prompt), "rounds" (start_loop, then n
+    `decode_round`s in a while loop, no prefill), "prefill_round" (start_loop, the chunks, the first round),
+    "generate_on_device" (the whole generation jitted here, not by the Engine). Seconds, compile included."""
+    t0 = time.perf_counter()
+    cfg, settings = engine.cfg, engine.settings()
+    request = engine.request(prompt, n, ()).loop_args(engine.max_len)
+
+    def start(params, *request):
+        return start_loop(params, cfg, settings, *request)
+
+    def rounds(params, *request):
+        body = lambda c: (decode_round(params, cfg, settings, c[0]), c[1] + 1)  # noqa: E731
+        return jax.lax.while_loop(lambda c: c[1] < n, body, (start(params, *request), 0))[0]
+
+    def whole(params, prompt, length, max_new, eos):
+        return generate_on_device(params, cfg, prompt, length, max_new, settings, eos)
+
+    fn = {
+        "start": start,
+        "rounds": rounds,
+        "prefill_round": lambda params, *request: prefill_round(params, cfg, settings, *request),
+        "generate_on_device": whole,
+    }[part]
+    jax.block_until_ready(
+        jax.jit(fn).lower(engine.params, *request).compile(compiler_options())(engine.params, *request)
+    )
     return time.perf_counter() - t0
 
 
@@ -195,6 +246,8 @@ def main() -> None:
             result = {"step": step_kernels and step_kernels()}
         elif kind == "hostgen":
             result = {"wall_s": generation_wall(engine, prompt, on_device=False)(int(arg))}
+        elif kind == "genpart":
+            result = {"wall_s": generation_part_once(engine, prompt, n, arg)}
         elif kind == "devexec":
             result = {"wall_s": device_exec_once(engine, prompt, n, arg)}
         elif kind == "otherchain":
