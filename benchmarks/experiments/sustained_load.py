@@ -12,8 +12,9 @@ reasons (`nvidia-smi`):
   generations (ms a token over --new-tokens minus 1; warms first); "hostgen:T": one host-loop generation of T
   tokens (T = 1: the prefill and the first token).
 - "devexec:MODE": the Engine's on-device generation executable, "compile" only, "run" once, or "get" (run, copy back).
-- "genpart:PART": a part of the generation (`jspec.loop`) as its own executable, run once: "start", "rounds" (decode
-  rounds without prefill), "prefill_round", "generate_on_device" (the whole, jitted here rather than by the Engine).
+- "genpart:PART": a part of the generation (`jspec.loop`) as its own executable, run once: "start", "first",
+  "rounds" (decode rounds without prefill), "prefill_round", "generate_on_device" (the whole, jitted here, not by
+  the Engine).
 - "prefill:MODE": `jspec.steps.prefill` as its own executable: "compile" only, or run "shipped", "host_while" (no
   WHILE / CONDITIONAL graphs), "no_graphs".
 - "otherchain:LABEL": another chain (`chain_walls` labels: 1-nested, 1-internal) compiled and run.
@@ -58,7 +59,7 @@ import numpy as np  # noqa: E402
 from device_loop_profile import VARIANTS, chain_walls, generation_wall, step_profiler  # noqa: E402
 
 from jspec.engine import Engine, compiler_options  # noqa: E402
-from jspec.loop import decode_round, generate_on_device, prefill_round, start_loop  # noqa: E402
+from jspec.loop import decode_round, first_round, generate_on_device, prefill_round, start_loop  # noqa: E402
 from jspec.state import init_state  # noqa: E402
 from jspec.steps import prefill  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
@@ -140,7 +141,8 @@ def device_exec_once(engine: Engine, prompt: np.ndarray, n: int, mode: str) -> f
 
 def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, part: str) -> float:
     """One part of the greedy on-device generation (`jspec.loop`) as its own executable, compiled with the shipped
-    options and run once: "start" (`start_loop`: the fresh state holding the prompt), "rounds" (start_loop, then n
+    options and run once: "start" (`start_loop`: the fresh state holding the prompt), "first" (start_loop, then
+    `first_round` with no chunk run), "rounds" (start_loop, then n
     `decode_round`s in a while loop, no prefill), "prefill_round" (start_loop, the chunks, the first round),
     "generate_on_device" (the whole generation jitted here, not by the Engine). Seconds, compile included."""
     t0 = time.perf_counter()
@@ -159,6 +161,7 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, part: str) 
 
     fn = {
         "start": start,
+        "first": lambda params, *request: first_round(params, cfg, settings, start(params, *request)),
         "rounds": rounds,
         "prefill_round": lambda params, *request: prefill_round(params, cfg, settings, *request),
         "generate_on_device": whole,
