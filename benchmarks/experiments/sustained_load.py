@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import statistics
 import subprocess
@@ -184,9 +185,49 @@ def prefill_products_once(params) -> list:
     return [list(s) for s in shapes]
 
 
+def plot_runs(paths: list[str], png: str) -> None:
+    """One panel per run JSON: each chain window's ms a step in phase order, the other phases as labelled columns
+    (generations' ms a token inside theirs): the process-state bisection at a glance (benchmarks/plots/
+    process_state.png)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(paths), 1, figsize=(11, 1.9 * len(paths)), sharey=True, squeeze=False)
+    for ax, path in zip(axes[:, 0], paths, strict=True):
+        with open(path) as f:
+            run = json.load(f)
+        x = 0
+        for phase in run["phases"]:
+            if "windows" in phase:
+                steps = [w["ms_per_step"] for w in phase["windows"]]
+                ax.plot(range(x, x + len(steps)), steps, "o", color="tab:blue", ms=4)
+                x += len(steps)
+            else:
+                ax.axvspan(x - 0.4, x + 0.4, color="0.88")
+                tokens = phase.get("ms_per_token", [])
+                ax.plot(np.linspace(x - 0.3, x + 0.3, len(tokens)), tokens, "x", color="tab:orange", ms=4)
+                ax.text(x, 0.98, phase["phase"], rotation=90, ha="center", va="top", fontsize=7,
+                        transform=ax.get_xaxis_transform())  # fmt: skip
+                x += 1
+        meta = run["meta"]
+        ax.set_title(f"{os.path.basename(path)} ({meta['model']}, {meta['commit']})", fontsize=8, loc="left")
+        ax.set_xticks([])
+        ax.set_ylabel("ms a step", fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("chain ms a step (blue), generations' ms a token (orange), other phases (grey); a panel a process",
+                 fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    print(f"plot: {png}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="the run's JSON (required unless --plot)")
+    ap.add_argument("--plot", metavar="PNG", help="draw the run JSONs given as arguments (`plot_runs`) and stop")
+    ap.add_argument("runs", nargs="*", help="run JSONs, with --plot")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--model", default="qwen3.5")
     ap.add_argument("--context", type=int, default=320)
@@ -196,6 +237,10 @@ def main() -> None:
     ap.add_argument("--phases", default=PHASES, help="what runs, in order (module docstring)")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: the tiny shrunk shape, short phases")
     opts = ap.parse_args()
+    if opts.plot:
+        return plot_runs(opts.runs, opts.plot)
+    if not opts.out:
+        ap.error("--out is required")
     t0 = time.perf_counter()
     cfg = model_config(opts.model, opts.quick)
     n = 9 if opts.quick else opts.new_tokens
