@@ -13,8 +13,8 @@ reasons (`nvidia-smi`):
   tokens (T = 1: the prefill and the first token).
 - "devexec:MODE": the Engine's on-device generation executable, "compile" only, "run" once, or "get" (run, copy back).
 - "genpart:PART": a part of the generation (`jspec.loop`) as its own executable, run once: "start", "first",
-  "rounds" (decode rounds without prefill), "prefill_round", "generate_on_device" (the whole, jitted here, not by
-  the Engine).
+  "rounds" (decode rounds without prefill), "prefill_round", "prefill_rounds" (both, no request check),
+  "generate_on_device" (the whole, jitted here, not by the Engine).
 - "prefill:MODE": `jspec.steps.prefill` as its own executable: "compile" only, or run "shipped", "host_while" (no
   WHILE / CONDITIONAL graphs), "no_graphs".
 - "otherchain:LABEL": another chain (`chain_walls` labels: 1-nested, 1-internal) compiled and run.
@@ -34,6 +34,10 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   chains, and compiling the generation's executable; it runs 2.68-2.72 after the first run of the Engine's generation
   executable (before any copy back), after a host-loop generation of one token, and after a 30 s rest. The decode
   step's kernels, profiled per call, are unchanged by it (2659 -> 2656 us).
+- sustained_load_genpart_qwen35_h200.json (46f6e18): nor do the generation's parts, each its own executable run once
+  (start_loop; start_loop + first_round; start_loop + 65 decode rounds; prefill_round): the chain 2.49-2.53 ms
+  throughout. What enters the state is in their combination or in how the Engine runs them; next: "prefill_rounds"
+  and "generate_on_device" (jitted here), then `devexec:run`, in one process.
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
     python3 benchmarks/experiments/sustained_load.py --phases chain:2,genpart:start,chain:2,genpart:rounds,chain:2 ...
@@ -143,9 +147,10 @@ def device_exec_once(engine: Engine, prompt: np.ndarray, n: int, mode: str) -> f
 def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, part: str) -> float:
     """One part of the greedy on-device generation (`jspec.loop`) as its own executable, compiled with the shipped
     options and run once: "start" (`start_loop`: the fresh state holding the prompt), "first" (start_loop, then
-    `first_round` with no chunk run), "rounds" (start_loop, then n
-    `decode_round`s in a while loop, no prefill), "prefill_round" (start_loop, the chunks, the first round),
-    "generate_on_device" (the whole generation jitted here, not by the Engine). Seconds, compile included."""
+    `first_round` with no chunk run), "rounds" (start_loop, then n `decode_round`s in a while loop, no prefill),
+    "prefill_round" (start_loop, the chunks, the first round), "prefill_rounds" (prefill_round, then the n rounds:
+    the generation without its request check), "generate_on_device" (the whole generation jitted here, not by the
+    Engine). Seconds, compile included."""
     t0 = time.perf_counter()
     cfg, settings = engine.cfg, engine.settings()
     request = engine.request(prompt, n, ()).loop_args(engine.max_len)
@@ -153,9 +158,12 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, part: str) 
     def start(params, *request):
         return start_loop(params, cfg, settings, *request)
 
-    def rounds(params, *request):
+    def rounds(params, loop):  # n decode rounds in a while loop
         body = lambda c: (decode_round(params, cfg, settings, c[0]), c[1] + 1)  # noqa: E731
-        return jax.lax.while_loop(lambda c: c[1] < n, body, (start(params, *request), 0))[0]
+        return jax.lax.while_loop(lambda c: c[1] < n, body, (loop, 0))[0]
+
+    def prefilled(params, *request):
+        return prefill_round(params, cfg, settings, *request)
 
     def whole(params, prompt, length, max_new, eos):
         return generate_on_device(params, cfg, prompt, length, max_new, settings, eos)
@@ -163,8 +171,9 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, part: str) 
     fn = {
         "start": start,
         "first": lambda params, *request: first_round(params, cfg, settings, start(params, *request)),
-        "rounds": rounds,
-        "prefill_round": lambda params, *request: prefill_round(params, cfg, settings, *request),
+        "rounds": lambda params, *request: rounds(params, start(params, *request)),
+        "prefill_round": prefilled,
+        "prefill_rounds": lambda params, *request: rounds(params, prefilled(params, *request)),
         "generate_on_device": whole,
     }[part]
     jax.block_until_ready(
