@@ -18,6 +18,8 @@ reasons (`nvidia-smi`):
 - "prefill:MODE": `jspec.steps.prefill` as its own executable: "compile" only, or run "shipped", "host_while" (no
   WHILE / CONDITIONAL graphs), "no_graphs".
 - "otherchain:LABEL": another chain (`chain_walls` labels: 1-nested, 1-internal) compiled and run.
+- "stack:B": the context's stack per GPU thread set to B bytes (`cuCtxSetLimit`); every phase records the context's
+  limits, flags and free memory (`context_sample`).
 - "attn": one prefill chunk's attention; "dqgemm": a 128-row product with each int4 weight shape; "gemm": a bf16 XLA
   dot; "stepprof": the decode step's kernels, profiled (`device_loop_profile.step_profiler`); "alloc:G": G GiB
   allocated and freed.
@@ -36,16 +38,20 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   step's kernels, profiled per call, are unchanged by it (2659 -> 2656 us).
 - sustained_load_genpart_qwen35_h200.json (46f6e18): nor do the generation's parts, each its own executable run once
   (start_loop; start_loop + first_round; start_loop + 65 decode rounds; prefill_round): the chain 2.49-2.53 ms
-  throughout. What enters the state is in their combination or in how the Engine runs them; next: "prefill_rounds"
-  and "generate_on_device" (jitted here), then `devexec:run`, in one process.
+  throughout. What enters the state is in their combination or in how the Engine runs them. Next, in one process
+  with the context's limits recorded after every phase: "prefill_rounds", "generate_on_device" (jitted here),
+  `devexec:run`, then "stack:1024" (the stack per thread the driver grows for a kernel that needs more local memory
+  and never shrinks: if it grew where the chain slowed, resetting it should bring the chain back).
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
-    python3 benchmarks/experiments/sustained_load.py --phases chain:2,genpart:start,chain:2,genpart:rounds,chain:2 ...
+    python3 benchmarks/experiments/sustained_load.py --window-s 0.5 --phases chain:1,genpart:prefill_rounds,chain:1,\
+        genpart:generate_on_device,chain:1,devexec:run,chain:1,stack:1024,chain:1 --commit SHA --out ...
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import json
 import os
@@ -79,7 +85,7 @@ from pallas_kernels.prefill_attention import chunk_attention  # noqa: E402
 PHASES = "roofline,chain:60,roofline,rest:20,chain:4"
 PHASE_KINDS = (
     "roofline, rest:S, chain:S, warm, generate:R, hostgen:T, genpart:PART, devexec:MODE, otherchain:LABEL, "
-    "prefill:MODE, attn, dqgemm, gemm, stepprof, alloc:G"
+    "prefill:MODE, attn, dqgemm, gemm, stepprof, alloc:G, stack:B"
 )
 SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
@@ -97,6 +103,53 @@ def gpu_sample() -> dict:
         return dict(zip(SMI_FIELDS.split(","), (v.strip() for v in line.split(",")), strict=True))
     except Exception as e:  # a fact of the machine, not a failure of the run
         return {"error": f"{type(e).__name__}: {e}"[:200]}
+
+
+CU_LIMITS = ("stack", "printf_fifo", "malloc_heap", "dev_runtime_sync_depth", "dev_runtime_pending_launches",
+             "max_l2_fetch_granularity", "persisting_l2_cache")  # CUlimit 0..6, in order  # fmt: skip
+
+
+def _cuda_call(cuda, status: int, call: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{call}: CUresult {status}")
+
+
+def on_primary_context(fn):
+    """fn(libcuda) run with device 0's primary context (the one XLA runs on) current on this thread."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    ctx = ctypes.c_void_p()
+    _cuda_call(cuda, cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0), "cuDevicePrimaryCtxRetain")
+    _cuda_call(cuda, cuda.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
+    try:
+        return fn(cuda)
+    finally:
+        cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        cuda.cuDevicePrimaryCtxRelease_v2(0)
+
+
+def context_sample() -> dict:
+    """The CUDA primary context's limits (`cuCtxGetLimit`; the driver grows the stack per thread when a kernel needs
+    more local memory and never shrinks it back), its flags and the free device memory, or the error."""
+
+    def sample(cuda) -> dict:
+        value, flags, free, total = ctypes.c_size_t(), ctypes.c_uint(), ctypes.c_size_t(), ctypes.c_size_t()
+        out = {}
+        for limit, name in enumerate(CU_LIMITS):
+            _cuda_call(cuda, cuda.cuCtxGetLimit(ctypes.byref(value), limit), f"cuCtxGetLimit({name})")
+            out[f"limit_{name}"] = value.value
+        _cuda_call(cuda, cuda.cuCtxGetFlags(ctypes.byref(flags)), "cuCtxGetFlags")
+        _cuda_call(cuda, cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo")
+        return out | {"ctx_flags": flags.value, "free_bytes": free.value}
+
+    try:
+        return on_primary_context(sample)
+    except Exception as e:  # a fact of the machine, not a failure of the run
+        return {"ctx_error": f"{type(e).__name__}: {e}"[:200]}
+
+
+def set_stack_limit(nbytes: int) -> None:
+    """cuCtxSetLimit(CU_LIMIT_STACK_SIZE, nbytes) on the primary context (waits for the device's work)."""
+    on_primary_context(lambda cuda: _cuda_call(cuda, cuda.cuCtxSetLimit(0, ctypes.c_size_t(nbytes)), "cuCtxSetLimit"))
 
 
 def prefill_attention_once(cfg, context: int) -> float:
@@ -272,7 +325,7 @@ def main() -> None:
 
     out = {
         "meta": experiment_meta(opts.commit, model=opts.model, context=opts.context, phases=opts.phases),
-        "idle": gpu_sample(),
+        "idle": gpu_sample() | context_sample(),
         "phases": [],
     }
     elements = 2**24 if opts.quick else 2**30  # bf16: 2 GiB on the GPU
@@ -303,6 +356,12 @@ def main() -> None:
             result = {"step": step_kernels and step_kernels()}
         elif kind == "hostgen":
             result = {"wall_s": generation_wall(engine, prompt, on_device=False)(int(arg))}
+        elif kind == "stack":
+            try:
+                set_stack_limit(int(arg))
+                result = {}
+            except OSError as e:  # no libcuda (a CPU smoke run)
+                result = {"ctx_error": f"{type(e).__name__}: {e}"[:200]}
         elif kind == "genpart":
             result = {"wall_s": generation_part_once(engine, prompt, n, arg)}
         elif kind == "devexec":
@@ -327,7 +386,9 @@ def main() -> None:
             result = {}
         else:
             raise ValueError(f"unknown phase {phase!r}: {PHASE_KINDS}")
-        out["phases"].append({"phase": phase, "t_s": time.perf_counter() - t0} | result | gpu_sample())
+        out["phases"].append(
+            {"phase": phase, "t_s": time.perf_counter() - t0} | result | gpu_sample() | context_sample()
+        )
         print(f"  {out['phases'][-1]}", flush=True)
     save_experiment(out, opts.out, t0)
 
