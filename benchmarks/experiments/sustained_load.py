@@ -44,8 +44,8 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   and never shrinks: if it grew where the chain slowed, resetting it should bring the chain back).
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
-    python3 benchmarks/experiments/sustained_load.py --window-s 0.5 --phases chain:1,genpart:prefill_rounds,chain:1,\
-        genpart:generate_on_device,chain:1,devexec:run,chain:1,stack:1024,chain:1 --commit SHA --out ...
+    P=chain:1,genpart:prefill_rounds,chain:1,genpart:generate_on_device,chain:1,devexec:run,chain:1,stack:1024,chain:1
+    python3 benchmarks/experiments/sustained_load.py --window-s 0.5 --phases $P --commit SHA --out ...
 """
 
 from __future__ import annotations
