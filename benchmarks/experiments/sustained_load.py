@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import functools
 import json
 import os
@@ -59,6 +60,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repo root
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: jspec_bench
@@ -83,10 +85,6 @@ from pallas_kernels.prefill_attention import chunk_attention  # noqa: E402
 # The run of b721c5b (sustained_load_qwen35_h200.json): the read roofline cold, a minute of the chain, the roofline
 # hot, a rest, the chain again.
 PHASES = "roofline,chain:60,roofline,rest:20,chain:4"
-PHASE_KINDS = (
-    "roofline, rest:S, chain:S, warm, generate:R, hostgen:T, genpart:PART, devexec:MODE, otherchain:LABEL, "
-    "prefill:MODE, attn, dqgemm, gemm, stepprof, alloc:G, stack:B"
-)
 SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
@@ -285,6 +283,102 @@ def plot_runs(paths: list[str], png: str) -> None:
     print(f"plot: {png}")
 
 
+@dataclasses.dataclass
+class Session:
+    """What the phases of one run share: the Engine (its prepared weights), the prompt, the generation's length n,
+    the options, the chain's per-step timer, the generation's wall timer and the run's output."""
+
+    engine: Engine
+    cfg: object
+    prompt: np.ndarray
+    n: int
+    opts: argparse.Namespace
+    chain_step_ms: Callable[[], float]
+    generation: Callable[[int], float]
+    out: dict
+    step_kernels: Callable[[], dict] | None = None  # the decode step's profiler, compiled at the first "stepprof"
+
+
+def phase_chain(s: Session, seconds: str) -> dict:
+    """The chain for `seconds` in windows of --window-s, each its median ms a step and the GPU's clocks after it."""
+    start, windows, window_s = time.perf_counter(), [], s.opts.window_s
+    while time.perf_counter() - start < (min(float(seconds), 2 * window_s) if s.opts.quick else float(seconds)):
+        w0, steps = time.perf_counter(), []
+        while time.perf_counter() - w0 < window_s:
+            steps.append(s.chain_step_ms())
+        windows.append({"ms_per_step": statistics.median(steps), "steps": len(steps)} | gpu_sample())
+    return {"windows": windows}
+
+
+def warm_generation(s: Session) -> None:
+    """The device-loop generation compiled and run (n tokens, then 1) once a run."""
+    if not s.out.get("generation_compiled_s"):
+        g0 = time.perf_counter()
+        s.generation(s.n), s.generation(1)
+        s.out["generation_compiled_s"] = time.perf_counter() - g0
+
+
+def phase_generate(s: Session, repeats: str) -> dict:
+    warm_generation(s)
+    return {"ms_per_token": [1e3 * (s.generation(s.n) - s.generation(1)) / (s.n - 1) for _ in range(int(repeats))]}
+
+
+def phase_stepprof(s: Session, _: str) -> dict:
+    s.step_kernels = s.step_kernels or step_profiler(s.engine.params, s.cfg, s.opts.context)
+    return {"step": s.step_kernels and s.step_kernels()}
+
+
+def phase_stack(_: Session, nbytes: str) -> dict:
+    try:
+        set_stack_limit(int(nbytes))
+        return {}
+    except OSError as e:  # no libcuda (a CPU smoke run)
+        return {"ctx_error": f"{type(e).__name__}: {e}"[:200]}
+
+
+def phase_otherchain(s: Session, label: str) -> dict:
+    g0 = time.perf_counter()
+    chain_walls(s.engine.params, s.cfg, s.opts.context, [label], 3)
+    return {"wall_s": time.perf_counter() - g0}
+
+
+def phase_gemm(_: Session, __: str) -> dict:
+    a = jnp.ones((4096, 4096), jnp.bfloat16)
+    return {"sum": float(jax.jit(jnp.dot).lower(a, a).compile(compiler_options())(a, a).sum())}
+
+
+def phase_alloc(_: Session, gib: str) -> dict:
+    big = jnp.zeros((int(float(gib) * 2**29),), jnp.uint16)
+    big.block_until_ready()
+    del big
+    return {}
+
+
+def phase_rest(s: Session, seconds: str) -> dict:
+    time.sleep(min(float(seconds), 1.0) if s.opts.quick else float(seconds))
+    return {}
+
+
+PHASE_RUNNERS = {  # kind -> runner(session, the phase's argument) -> what the phase records (module docstring)
+    "roofline": lambda s, _: {"read_Bps": _xla_sum_Bps(2**24 if s.opts.quick else 2**30)},  # bf16: 2 GiB on a GPU
+    "rest": phase_rest,
+    "chain": phase_chain,
+    "warm": lambda s, _: warm_generation(s) or {},
+    "generate": phase_generate,
+    "hostgen": lambda s, t: {"wall_s": generation_wall(s.engine, s.prompt, on_device=False)(int(t))},
+    "genpart": lambda s, part: {"wall_s": generation_part_once(s.engine, s.prompt, s.n, part)},
+    "devexec": lambda s, mode: {"wall_s": device_exec_once(s.engine, s.prompt, s.n, mode)},
+    "otherchain": phase_otherchain,
+    "prefill": lambda s, mode: {"wall_s": prefill_once(s.engine.params, s.cfg, s.prompt, mode)},
+    "attn": lambda s, _: {"sum": prefill_attention_once(s.cfg, s.opts.context)},
+    "dqgemm": lambda s, _: {"shapes": prefill_products_once(s.engine.params)},
+    "gemm": phase_gemm,
+    "stepprof": phase_stepprof,
+    "alloc": phase_alloc,
+    "stack": phase_stack,
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="the run's JSON (required unless --plot)")
@@ -310,82 +404,26 @@ def main() -> None:
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, (opts.context,)).astype(np.int32)
     wall, trips, _ = chain_walls(engine.params, cfg, opts.context, ["1"], opts.iterations)["1"]
     short = wall(1)
-
-    def per_step() -> float:
-        return 1e3 * (wall(trips) - short) / (trips - 1)
-
-    generation = generation_wall(engine, prompt)
-    step_kernels = None  # the decode step's profiler, compiled at the first "stepprof"
-
-    def warm_generation() -> None:
-        if not out.get("generation_compiled_s"):
-            g0 = time.perf_counter()
-            generation(n), generation(1)
-            out["generation_compiled_s"] = time.perf_counter() - g0
-
     out = {
         "meta": experiment_meta(opts.commit, model=opts.model, context=opts.context, phases=opts.phases),
         "idle": gpu_sample() | context_sample(),
         "phases": [],
     }
-    elements = 2**24 if opts.quick else 2**30  # bf16: 2 GiB on the GPU
+    s = Session(
+        engine,
+        cfg,
+        prompt,
+        n,
+        opts,
+        lambda: 1e3 * (wall(trips) - short) / (trips - 1),
+        generation_wall(engine, prompt),
+        out,
+    )
     for phase in opts.phases.split(","):
         kind, _, arg = phase.partition(":")
-        start = time.perf_counter()
-        if kind == "roofline":
-            result = {"read_Bps": _xla_sum_Bps(elements)}
-        elif kind == "rest":
-            time.sleep(min(float(arg), 1.0) if opts.quick else float(arg))
-            result = {}
-        elif kind == "chain":
-            windows = []
-            while time.perf_counter() - start < (min(float(arg), 2 * opts.window_s) if opts.quick else float(arg)):
-                w0, steps = time.perf_counter(), []
-                while time.perf_counter() - w0 < opts.window_s:
-                    steps.append(per_step())
-                windows.append({"ms_per_step": statistics.median(steps), "steps": len(steps)} | gpu_sample())
-            result = {"windows": windows}
-        elif kind == "warm":
-            warm_generation()
-            result = {}
-        elif kind == "generate":
-            warm_generation()
-            result = {"ms_per_token": [1e3 * (generation(n) - generation(1)) / (n - 1) for _ in range(int(arg))]}
-        elif kind == "stepprof":
-            step_kernels = step_kernels or step_profiler(engine.params, cfg, opts.context)
-            result = {"step": step_kernels and step_kernels()}
-        elif kind == "hostgen":
-            result = {"wall_s": generation_wall(engine, prompt, on_device=False)(int(arg))}
-        elif kind == "stack":
-            try:
-                set_stack_limit(int(arg))
-                result = {}
-            except OSError as e:  # no libcuda (a CPU smoke run)
-                result = {"ctx_error": f"{type(e).__name__}: {e}"[:200]}
-        elif kind == "genpart":
-            result = {"wall_s": generation_part_once(engine, prompt, n, arg)}
-        elif kind == "devexec":
-            result = {"wall_s": device_exec_once(engine, prompt, n, arg)}
-        elif kind == "otherchain":
-            g0 = time.perf_counter()
-            chain_walls(engine.params, cfg, opts.context, [arg], 3)
-            result = {"wall_s": time.perf_counter() - g0}
-        elif kind == "prefill":
-            result = {"wall_s": prefill_once(engine.params, cfg, prompt, arg)}
-        elif kind == "attn":
-            result = {"sum": prefill_attention_once(cfg, opts.context)}
-        elif kind == "dqgemm":
-            result = {"shapes": prefill_products_once(engine.params)}
-        elif kind == "gemm":
-            a = jnp.ones((4096, 4096), jnp.bfloat16)
-            result = {"sum": float(jax.jit(jnp.dot).lower(a, a).compile(compiler_options())(a, a).sum())}
-        elif kind == "alloc":
-            big = jnp.zeros((int(float(arg) * 2**29),), jnp.uint16)  # arg GiB
-            big.block_until_ready()
-            del big
-            result = {}
-        else:
-            raise ValueError(f"unknown phase {phase!r}: {PHASE_KINDS}")
+        if kind not in PHASE_RUNNERS:
+            raise ValueError(f"unknown phase {phase!r}: one of {', '.join(PHASE_RUNNERS)}")
+        result = PHASE_RUNNERS[kind](s, arg)
         out["phases"].append(
             {"phase": phase, "t_s": time.perf_counter() - t0} | result | gpu_sample() | context_sample()
         )
