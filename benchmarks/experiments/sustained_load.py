@@ -46,6 +46,8 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
     P=chain:1,genpart:prefill_rounds,chain:1,genpart:generate_on_device,chain:1,devexec:run,chain:1,stack:1024,chain:1
     python3 benchmarks/experiments/sustained_load.py --window-s 0.5 --phases $P --commit SHA --out ...
+    cd benchmarks/experiments/results
+    python3 ../sustained_load.py --plot ../../plots/process_state.png sustained_load_{generate,trigger,genpart}*.json
 """
 
 from __future__ import annotations
