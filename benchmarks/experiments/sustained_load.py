@@ -134,9 +134,9 @@ def context_sample() -> dict:
     def sample(cuda) -> dict:
         value, flags, free, total = ctypes.c_size_t(), ctypes.c_uint(), ctypes.c_size_t(), ctypes.c_size_t()
         out = {}
-        for limit, name in enumerate(CU_LIMITS):
-            _cuda_call(cuda, cuda.cuCtxGetLimit(ctypes.byref(value), limit), f"cuCtxGetLimit({name})")
-            out[f"limit_{name}"] = value.value
+        for limit, name in enumerate(CU_LIMITS):  # a limit the driver does not support reads as its CUresult
+            status = cuda.cuCtxGetLimit(ctypes.byref(value), limit)
+            out[f"limit_{name}"] = value.value if status == 0 else f"CUresult {status}"
         _cuda_call(cuda, cuda.cuCtxGetFlags(ctypes.byref(flags)), "cuCtxGetFlags")
         _cuda_call(cuda, cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo")
         return out | {"ctx_flags": flags.value, "free_bytes": free.value}
