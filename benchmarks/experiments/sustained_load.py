@@ -20,9 +20,9 @@ reasons (`nvidia-smi`):
 - "otherchain:LABEL": another chain (`chain_walls` labels: 1-nested, 1-internal) compiled and run.
 - "stack:B": the context's stack per GPU thread set to B bytes (`cuCtxSetLimit`); every phase records the context's
   limits, flags and free memory (`context_sample`).
-- "attn": one prefill chunk's attention; "dqgemm": a 128-row product with each int4 weight shape; "gemm": a bf16 XLA
-  dot; "stepprof": the decode step's kernels, profiled (`device_loop_profile.step_profiler`); "alloc:G": G GiB
-  allocated and freed.
+- "attn": one prefill chunk's attention kernel (a static start); "dqgemm": a 128-row product with each int4 weight
+  shape; "gemm": a bf16 XLA dot; "stepprof": the decode step's kernels, profiled (`device_loop_profile.
+  step_profiler`); "alloc:G": G GiB allocated and freed.
 
 Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; each call a fresh machine start):
 - sustained_load_qwen35_h200.json (b721c5b, the default phases): the chain 2.49-2.51 ms a step through a minute of
@@ -73,6 +73,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from device_loop_profile import VARIANTS, chain_walls, generation_wall, step_profiler  # noqa: E402
 
+from jspec.config import ModelConfig  # noqa: E402
 from jspec.engine import Engine, compiler_options  # noqa: E402
 from jspec.loop import decode_round, first_round, generate_on_device, prefill_round, start_loop  # noqa: E402
 from jspec.state import init_state  # noqa: E402
@@ -90,6 +91,11 @@ PHASES = "roofline,chain:60,roofline,rest:20,chain:4"
 SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
+def one_line(e: BaseException) -> str:
+    """An error as the JSON records a fact of the machine: its type and message, cut to 200 characters."""
+    return f"{type(e).__name__}: {e}"[:200]
+
+
 def gpu_sample() -> dict:
     """The GPU's clocks, power, temperature and throttle reasons now (nvidia-smi), or the error."""
     try:
@@ -102,7 +108,7 @@ def gpu_sample() -> dict:
         ).stdout.strip()
         return dict(zip(SMI_FIELDS.split(","), (v.strip() for v in line.split(",")), strict=True))
     except Exception as e:  # a fact of the machine, not a failure of the run
-        return {"error": f"{type(e).__name__}: {e}"[:200]}
+        return {"error": one_line(e)}
 
 
 CU_LIMITS = ("stack", "printf_fifo", "malloc_heap", "dev_runtime_sync_depth", "dev_runtime_pending_launches",
@@ -144,7 +150,7 @@ def context_sample() -> dict:
     try:
         return on_primary_context(sample)
     except Exception as e:  # a fact of the machine, not a failure of the run
-        return {"ctx_error": f"{type(e).__name__}: {e}"[:200]}
+        return {"ctx_error": one_line(e)}
 
 
 def set_stack_limit(nbytes: int) -> None:
@@ -153,7 +159,9 @@ def set_stack_limit(nbytes: int) -> None:
 
 
 def prefill_attention_once(cfg, context: int) -> float:
-    """One prefill chunk's attention (`chunk_attention`, 128 query rows at `context` over the cache) at cfg's heads."""
+    """One prefill chunk's attention at cfg's heads: `chunk_attention`'s kernel on 128 query rows at `context` over the
+    cache, with `context` a static start (its differentiable entry, the same `_kernel_call`; a prefill's start is
+    traced)."""
     d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     q = jnp.ones((128, hq, d), jnp.bfloat16)
     kv = jnp.ones((context + 128, hkv, 2, d), jnp.bfloat16)
@@ -169,23 +177,20 @@ PREFILL_MODES = {  # prefill:MODE -> the XLA options its executable compiles wit
 }
 
 
-def prefill_once(params, cfg, prompt: np.ndarray, mode: str) -> float:
+def prefill_once(params, cfg, prompt: np.ndarray, mode: str) -> None:
     """The prompt's prefill (`jspec.steps.prefill`, 128-position chunks) as its own executable, compiled with
-    PREFILL_MODES[mode] and run once (mode "compile": not run); the seconds it took."""
-    t0 = time.perf_counter()
+    PREFILL_MODES[mode] and run once (mode "compile": not run)."""
     state = init_state(cfg, prompt.size + 16, jnp.bfloat16)
     args = (params, state, jnp.asarray(prompt), jnp.asarray(prompt.size, jnp.int32))
     options = compiler_options() and PREFILL_MODES[mode]
     run = jax.jit(lambda p, s, t, n: prefill(p, cfg, s, t, n, chunk=128)).lower(*args).compile(options)
     if mode != "compile":
         run(*args)[1].block_until_ready()
-    return time.perf_counter() - t0
 
 
-def device_exec_once(engine: Engine, prompt: np.ndarray, n: int, mode: str) -> float:
+def device_exec_once(engine: Engine, prompt: np.ndarray, n: int, mode: str) -> None:
     """The greedy on-device generation's executable (`Engine._device_exec`): mode "compile" compiles it, "run" runs
     it once (no copy back), "get" runs it and copies its result to the host as `Engine.generate` does."""
-    t0 = time.perf_counter()
     settings = engine.settings()
     weights = engine._checked_weights(settings)
     run = engine._device_exec(settings, weights)
@@ -194,17 +199,15 @@ def device_exec_once(engine: Engine, prompt: np.ndarray, n: int, mode: str) -> f
         jax.block_until_ready(out)
         if mode == "get":
             jax.device_get(out).raise_if_error()
-    return time.perf_counter() - t0
 
 
-def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, part: str) -> float:
+def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, part: str) -> None:
     """One part of the greedy on-device generation (`jspec.loop`) as its own executable, compiled with the shipped
     options and run once: "start" (`start_loop`: the fresh state holding the prompt), "first" (start_loop, then
     `first_round` with no chunk run), "rounds" (start_loop, then n `decode_round`s in a while loop, no prefill),
     "prefill_round" (start_loop, the chunks, the first round), "prefill_rounds" (prefill_round, then the n rounds:
     the generation without its request check), "generate_on_device" (the whole generation jitted here, not by the
-    Engine). Seconds, compile included."""
-    t0 = time.perf_counter()
+    Engine)."""
     cfg, settings = engine.cfg, engine.settings()
     request = engine.request(prompt, n, ()).loop_args(engine.max_len)
 
@@ -232,7 +235,6 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, part: str) 
     jax.block_until_ready(
         jax.jit(fn).lower(engine.params, *request).compile(compiler_options())(engine.params, *request)
     )
-    return time.perf_counter() - t0
 
 
 def prefill_products_once(params) -> list:
@@ -291,7 +293,7 @@ class Session:
     the options, the chain's per-step timer, the generation's wall timer and the run's output."""
 
     engine: Engine
-    cfg: object
+    cfg: ModelConfig
     prompt: np.ndarray
     n: int
     opts: argparse.Namespace
@@ -335,13 +337,7 @@ def phase_stack(_: Session, nbytes: str) -> dict:
         set_stack_limit(int(nbytes))
         return {}
     except Exception as e:  # no libcuda (a CPU smoke run), or the driver refused: recorded, the run goes on
-        return {"ctx_error": f"{type(e).__name__}: {e}"[:200]}
-
-
-def phase_otherchain(s: Session, label: str) -> dict:
-    g0 = time.perf_counter()
-    chain_walls(s.engine.params, s.cfg, s.opts.context, [label], 3)
-    return {"wall_s": time.perf_counter() - g0}
+        return {"ctx_error": one_line(e)}
 
 
 def phase_gemm(_: Session, __: str) -> dict:
@@ -361,6 +357,17 @@ def phase_rest(s: Session, seconds: str) -> dict:
     return {}
 
 
+def timed(run: Callable[[Session, str], None]) -> Callable[[Session, str], dict]:
+    """A runner recording the seconds run(session, arg) took, compiles included."""
+
+    def runner(s: Session, arg: str) -> dict:
+        t0 = time.perf_counter()
+        run(s, arg)
+        return {"wall_s": time.perf_counter() - t0}
+
+    return runner
+
+
 PHASE_RUNNERS = {  # kind -> runner(session, the phase's argument) -> what the phase records (module docstring)
     "roofline": lambda s, _: {"read_Bps": _xla_sum_Bps(2**24 if s.opts.quick else 2**30)},  # bf16: 2 GiB on a GPU
     "rest": phase_rest,
@@ -368,10 +375,10 @@ PHASE_RUNNERS = {  # kind -> runner(session, the phase's argument) -> what the p
     "warm": lambda s, _: warm_generation(s) or {},
     "generate": phase_generate,
     "hostgen": lambda s, t: {"wall_s": generation_wall(s.engine, s.prompt, on_device=False)(int(t))},
-    "genpart": lambda s, part: {"wall_s": generation_part_once(s.engine, s.prompt, s.n, part)},
-    "devexec": lambda s, mode: {"wall_s": device_exec_once(s.engine, s.prompt, s.n, mode)},
-    "otherchain": phase_otherchain,
-    "prefill": lambda s, mode: {"wall_s": prefill_once(s.engine.params, s.cfg, s.prompt, mode)},
+    "genpart": timed(lambda s, part: generation_part_once(s.engine, s.prompt, s.n, part)),
+    "devexec": timed(lambda s, mode: device_exec_once(s.engine, s.prompt, s.n, mode)),
+    "otherchain": timed(lambda s, label: chain_walls(s.engine.params, s.cfg, s.opts.context, [label], 3)),
+    "prefill": timed(lambda s, mode: prefill_once(s.engine.params, s.cfg, s.prompt, mode)),
     "attn": lambda s, _: {"sum": prefill_attention_once(s.cfg, s.opts.context)},
     "dqgemm": lambda s, _: {"shapes": prefill_products_once(s.engine.params)},
     "gemm": phase_gemm,
