@@ -14,7 +14,9 @@ reasons (`nvidia-smi`):
 - "devexec:MODE": the Engine's on-device generation executable, "compile" only, "run" once, or "get" (run, copy back).
 - "genpart:PART": a part of the generation (`jspec.loop`) as its own executable, run once: "start", "first",
   "rounds" (decode rounds without prefill), "prefill_round", "prefill_rounds" (both, no request check),
-  "generate_on_device" (the whole, jitted here, not by the Engine).
+  "generate_on_device" (the whole, jitted here, not by the Engine); its executable is destroyed after the phase.
+  "held:PART": the same, kept alive until a "drop".
+- "drop": every executable the Engine holds and every held one destroyed (`phase_drop`).
 - "prefill:MODE": `jspec.steps.prefill` as its own executable: "compile" only, or run "shipped", "host_while" (no
   WHILE / CONDITIONAL graphs), "no_graphs".
 - "otherchain:LABEL": another chain (`chain_walls` labels: 1-nested, 1-internal) compiled and run.
@@ -56,6 +58,7 @@ import argparse
 import ctypes
 import dataclasses
 import functools
+import gc
 import json
 import os
 import statistics
@@ -201,13 +204,13 @@ def device_exec_once(engine: Engine, prompt: np.ndarray, n: int, mode: str) -> N
             jax.device_get(out).raise_if_error()
 
 
-def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, part: str) -> None:
+def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, part: str):
     """One part of the greedy on-device generation (`jspec.loop`) as its own executable, compiled with the shipped
-    options and run once: "start" (`start_loop`: the fresh state holding the prompt), "first" (start_loop, then
-    `first_round` with no chunk run), "rounds" (start_loop, then n `decode_round`s in a while loop, no prefill),
-    "prefill_round" (start_loop, the chunks, the first round), "prefill_rounds" (prefill_round, then the n rounds:
-    the generation without its request check), "generate_on_device" (the whole generation jitted here, not by the
-    Engine)."""
+    options, run once and returned: "start" (`start_loop`: the fresh state holding the prompt), "first" (start_loop,
+    then `first_round` with no chunk run), "rounds" (start_loop, then n `decode_round`s in a while loop, no
+    prefill), "prefill_round" (start_loop, the chunks, the first round), "prefill_rounds" (prefill_round, then the n
+    rounds: the generation without its request check), "generate_on_device" (the whole generation jitted here, not
+    by the Engine)."""
     cfg, settings = engine.cfg, engine.settings()
     request = engine.request(prompt, n, ()).loop_args(engine.max_len)
 
@@ -232,9 +235,9 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, part: str) 
         "prefill_rounds": lambda params, *request: rounds(params, prefilled(params, *request)),
         "generate_on_device": whole,
     }[part]
-    jax.block_until_ready(
-        jax.jit(fn).lower(engine.params, *request).compile(compiler_options())(engine.params, *request)
-    )
+    run = jax.jit(fn).lower(engine.params, *request).compile(compiler_options())
+    jax.block_until_ready(run(engine.params, *request))
+    return run
 
 
 def prefill_products_once(params) -> list:
@@ -301,6 +304,8 @@ class Session:
     generation: Callable[[int], float]
     out: dict
     step_kernels: Callable[[], dict] | None = None  # the decode step's profiler, compiled at the first "stepprof"
+    generation_warm: bool = False  # the Engine's generation executables compiled and run ("warm"; "drop" clears)
+    held: list = dataclasses.field(default_factory=list)  # executables of "held:PART", alive until "drop"
 
 
 def phase_chain(s: Session, seconds: str) -> dict:
@@ -315,11 +320,23 @@ def phase_chain(s: Session, seconds: str) -> dict:
 
 
 def warm_generation(s: Session) -> None:
-    """The device-loop generation compiled and run (n tokens, then 1) once a run."""
-    if not s.out.get("generation_compiled_s"):
+    """The device-loop generation compiled and run (n tokens, then 1), unless it is warm."""
+    if not s.generation_warm:
         g0 = time.perf_counter()
         s.generation(s.n), s.generation(1)
-        s.out["generation_compiled_s"] = time.perf_counter() - g0
+        s.out.setdefault("generation_compiled_s", []).append(time.perf_counter() - g0)
+        s.generation_warm = True
+
+
+def phase_drop(s: Session, _: str) -> dict:
+    """Every executable the Engine holds (its generations') and every "held:PART" one destroyed: the run's only live
+    executables are the chain's (and the step profiler's)."""
+    dropped = len(s.engine._executables) + len(s.held)
+    s.engine._executables.clear()
+    s.held.clear()
+    s.generation_warm = False
+    gc.collect()
+    return {"dropped": dropped}
 
 
 def phase_generate(s: Session, repeats: str) -> dict:
@@ -376,6 +393,8 @@ PHASE_RUNNERS = {  # kind -> runner(session, the phase's argument) -> what the p
     "generate": phase_generate,
     "hostgen": lambda s, t: {"wall_s": generation_wall(s.engine, s.prompt, on_device=False)(int(t))},
     "genpart": timed(lambda s, part: generation_part_once(s.engine, s.prompt, s.n, part)),
+    "held": timed(lambda s, part: s.held.append(generation_part_once(s.engine, s.prompt, s.n, part))),
+    "drop": phase_drop,
     "devexec": timed(lambda s, mode: device_exec_once(s.engine, s.prompt, s.n, mode)),
     "otherchain": timed(lambda s, label: chain_walls(s.engine.params, s.cfg, s.opts.context, [label], 3)),
     "prefill": timed(lambda s, mode: prefill_once(s.engine.params, s.cfg, s.prompt, mode)),
