@@ -14,17 +14,19 @@ reasons (`nvidia-smi`):
 - "devexec:MODE": the Engine's on-device generation executable, "compile" only, "run" once, or "get" (run, copy back).
 - "genpart:PART": a part of the generation (`jspec.loop`) as its own executable, run once: "start", "first",
   "rounds" (decode rounds without prefill), "prefill_round", "prefill_rounds" (both, no request check),
-  "generate_on_device" (the whole, jitted here, not by the Engine); its executable is destroyed after the phase.
-  "held:PART": the same, kept alive until a "drop".
-- "drop": every executable the Engine holds and every held one destroyed (`phase_drop`).
+  "generate_on_device" (the whole, jitted here, not by the Engine).
 - "prefill:MODE": `jspec.steps.prefill` as its own executable: "compile" only, or run "shipped", "host_while" (no
-  WHILE / CONDITIONAL graphs), "no_graphs".
+  WHILE / CONDITIONAL graphs), "no_graphs", "no_blas_graphs" (cuBLAS / cuBLASLt calls outside the graphs).
 - "otherchain:LABEL": another chain (`chain_walls` labels: 1-nested, 1-internal) compiled and run.
 - "stack:B": the context's stack per GPU thread set to B bytes (`cuCtxSetLimit`); every phase records the context's
   limits, flags and free memory (`context_sample`).
 - "attn": one prefill chunk's attention kernel (a static start); "dqgemm": a 128-row product with each int4 weight
-  shape; "gemm": a bf16 XLA dot; "stepprof": the decode step's kernels, profiled (`device_loop_profile.
-  step_profiler`); "alloc:G": G GiB allocated and freed.
+  shape; "gdn": the chunked recurrence (`chunk_gated_delta`) over a 128-position chunk at the model's linear heads;
+  "gemm": a bf16 XLA dot; "stepprof": the decode step's kernels, profiled (`device_loop_profile.step_profiler`);
+  "alloc:G": G GiB allocated and freed.
+- A phase that compiles its own executables (genpart, prefill, attn, dqgemm, gdn, gemm) destroys them after it;
+  "+KIND:ARG" keeps them alive until a "drop", which destroys them and every executable the Engine holds
+  (`phase_drop`). The run of 6627ec2 named "+genpart:PART" "held:PART".
 
 Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; each call a fresh machine start):
 - sustained_load_qwen35_h200.json (b721c5b, the default phases): the chain 2.49-2.51 ms a step through a minute of
@@ -87,6 +89,7 @@ from jspec_bench.shapes import model_config, random_int4_params  # noqa: E402
 from pallas_kernels.int4_ws import Int4Codes  # noqa: E402
 from pallas_kernels.matmul import linear  # noqa: E402
 from pallas_kernels.prefill_attention import chunk_attention  # noqa: E402
+from pallas_kernels.recurrent import chunk_gated_delta  # noqa: E402
 
 # The run of b721c5b (sustained_load_qwen35_h200.json): the read roofline cold, a minute of the chain, the roofline
 # hot, a rest, the chain again.
@@ -161,7 +164,7 @@ def set_stack_limit(nbytes: int) -> None:
     on_primary_context(lambda cuda: _cuda_call(cuda, cuda.cuCtxSetLimit(0, ctypes.c_size_t(nbytes)), "cuCtxSetLimit"))
 
 
-def prefill_attention_once(cfg, context: int) -> float:
+def prefill_attention_once(cfg, context: int):
     """One prefill chunk's attention at cfg's heads: `chunk_attention`'s kernel on 128 query rows at `context` over the
     cache, with `context` a static start (its differentiable entry, the same `_kernel_call`; a prefill's start is
     traced)."""
@@ -169,7 +172,8 @@ def prefill_attention_once(cfg, context: int) -> float:
     q = jnp.ones((128, hq, d), jnp.bfloat16)
     kv = jnp.ones((context + 128, hkv, 2, d), jnp.bfloat16)
     run = jax.jit(functools.partial(chunk_attention, scale=d**-0.5)).lower(q, kv, context).compile(compiler_options())
-    return float(run(q, kv, context).astype(jnp.float32).sum())
+    run(q, kv, context).block_until_ready()
+    return run
 
 
 PREFILL_MODES = {  # prefill:MODE -> the XLA options its executable compiles with on the GPU
@@ -177,21 +181,24 @@ PREFILL_MODES = {  # prefill:MODE -> the XLA options its executable compiles wit
     "compile": VARIANTS["shipped"],  # compiled, not run
     "host_while": VARIANTS["host_while"],  # no WHILE / CONDITIONAL command buffers: the host drives the loops
     "no_graphs": VARIANTS["shipped"] | {"xla_gpu_enable_command_buffer": ""},
+    "no_blas_graphs": VARIANTS["shipped"]
+    | {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"},
 }
 
 
-def prefill_once(params, cfg, prompt: np.ndarray, mode: str) -> None:
+def prefill_once(params, cfg, prompt: np.ndarray, mode: str):
     """The prompt's prefill (`jspec.steps.prefill`, 128-position chunks) as its own executable, compiled with
-    PREFILL_MODES[mode] and run once (mode "compile": not run)."""
+    PREFILL_MODES[mode], run once (mode "compile": not run) and returned."""
     state = init_state(cfg, prompt.size + 16, jnp.bfloat16)
     args = (params, state, jnp.asarray(prompt), jnp.asarray(prompt.size, jnp.int32))
     options = compiler_options() and PREFILL_MODES[mode]
     run = jax.jit(lambda p, s, t, n: prefill(p, cfg, s, t, n, chunk=128)).lower(*args).compile(options)
     if mode != "compile":
         run(*args)[1].block_until_ready()
+    return run
 
 
-def device_exec_once(engine: Engine, prompt: np.ndarray, n: int, mode: str) -> None:
+def device_exec_once(engine: Engine, prompt: np.ndarray, n: int, mode: str) -> None:  # the Engine holds it
     """The greedy on-device generation's executable (`Engine._device_exec`): mode "compile" compiles it, "run" runs
     it once (no copy back), "get" runs it and copies its result to the host as `Engine.generate` does."""
     settings = engine.settings()
@@ -241,15 +248,29 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, part: str):
 
 
 def prefill_products_once(params) -> list:
-    """A prefill chunk's product (`linear`, 128 rows) with every distinct int4 weight shape of params, once each."""
-    shapes = {}
+    """A prefill chunk's product (`linear`, 128 rows) with every distinct int4 weight shape of params, once each:
+    their executables."""
+    shapes, runs = {}, []
     for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Int4Codes)):
         if isinstance(w, Int4Codes):
             shapes.setdefault(tuple(w.shape), w)
     for (k, _), w in shapes.items():
         x = jnp.ones((128, k), jnp.bfloat16)
-        jax.jit(linear).lower(x, w).compile(compiler_options())(x, w).block_until_ready()
-    return [list(s) for s in shapes]
+        runs.append(jax.jit(linear).lower(x, w).compile(compiler_options()))
+        runs[-1](x, w).block_until_ready()
+    return runs
+
+
+def chunked_recurrence_once(cfg: ModelConfig):
+    """The prefill's chunked recurrence (`chunk_gated_delta`, float32) over one 128-position chunk at cfg's linear
+    heads (value heads; keys repeated to them, as `jspec.models.hybrid` does), run once: its executable."""
+    h, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    q, k = (jnp.full((128, h, dk), 0.01, jnp.float32) for _ in range(2))
+    v = jnp.full((128, h, dv), 0.01, jnp.float32)
+    g, beta = jnp.full((128, h), -0.1, jnp.float32), jnp.full((128, h), 0.5, jnp.float32)
+    run = jax.jit(chunk_gated_delta).lower(q, k, v, g, beta).compile(compiler_options())
+    jax.block_until_ready(run(q, k, v, g, beta))
+    return run
 
 
 def plot_runs(paths: list[str], png: str) -> None:
@@ -305,7 +326,8 @@ class Session:
     out: dict
     step_kernels: Callable[[], dict] | None = None  # the decode step's profiler, compiled at the first "stepprof"
     generation_warm: bool = False  # the Engine's generation executables compiled and run ("warm"; "drop" clears)
-    held: list = dataclasses.field(default_factory=list)  # executables of "held:PART", alive until "drop"
+    holding: bool = False  # the phase running is a "+KIND:ARG": its executables go to `held`
+    held: list = dataclasses.field(default_factory=list)  # executables alive until "drop"
 
 
 def phase_chain(s: Session, seconds: str) -> dict:
@@ -329,8 +351,8 @@ def warm_generation(s: Session) -> None:
 
 
 def phase_drop(s: Session, _: str) -> dict:
-    """Every executable the Engine holds (its generations') and every "held:PART" one destroyed: the run's only live
-    executables are the chain's (and the step profiler's)."""
+    """Every executable the Engine holds (its generations') and every held one ("+KIND:ARG") destroyed: the run's
+    only live executables are the chain's (and the step profiler's)."""
     dropped = len(s.engine._executables) + len(s.held)
     s.engine._executables.clear()
     s.held.clear()
@@ -357,9 +379,11 @@ def phase_stack(_: Session, nbytes: str) -> dict:
         return {"ctx_error": one_line(e)}
 
 
-def phase_gemm(_: Session, __: str) -> dict:
+def gemm_once():
     a = jnp.ones((4096, 4096), jnp.bfloat16)
-    return {"sum": float(jax.jit(jnp.dot).lower(a, a).compile(compiler_options())(a, a).sum())}
+    run = jax.jit(jnp.dot).lower(a, a).compile(compiler_options())
+    run(a, a).block_until_ready()
+    return run
 
 
 def phase_alloc(_: Session, gib: str) -> dict:
@@ -374,13 +398,17 @@ def phase_rest(s: Session, seconds: str) -> dict:
     return {}
 
 
-def timed(run: Callable[[Session, str], None]) -> Callable[[Session, str], dict]:
-    """A runner recording the seconds run(session, arg) took, compiles included."""
+def timed(run: Callable[[Session, str], object]) -> Callable[[Session, str], dict]:
+    """A runner recording the seconds run(session, arg) took, compiles included; what run returns (its executables)
+    is held when the phase is a "+KIND:ARG", else destroyed."""
 
     def runner(s: Session, arg: str) -> dict:
         t0 = time.perf_counter()
-        run(s, arg)
-        return {"wall_s": time.perf_counter() - t0}
+        executables = run(s, arg)
+        wall = time.perf_counter() - t0
+        if s.holding:
+            s.held.append(executables)
+        return {"wall_s": wall}
 
     return runner
 
@@ -393,14 +421,14 @@ PHASE_RUNNERS = {  # kind -> runner(session, the phase's argument) -> what the p
     "generate": phase_generate,
     "hostgen": lambda s, t: {"wall_s": generation_wall(s.engine, s.prompt, on_device=False)(int(t))},
     "genpart": timed(lambda s, part: generation_part_once(s.engine, s.prompt, s.n, part)),
-    "held": timed(lambda s, part: s.held.append(generation_part_once(s.engine, s.prompt, s.n, part))),
     "drop": phase_drop,
     "devexec": timed(lambda s, mode: device_exec_once(s.engine, s.prompt, s.n, mode)),
     "otherchain": timed(lambda s, label: chain_walls(s.engine.params, s.cfg, s.opts.context, [label], 3)),
     "prefill": timed(lambda s, mode: prefill_once(s.engine.params, s.cfg, s.prompt, mode)),
-    "attn": lambda s, _: {"sum": prefill_attention_once(s.cfg, s.opts.context)},
-    "dqgemm": lambda s, _: {"shapes": prefill_products_once(s.engine.params)},
-    "gemm": phase_gemm,
+    "attn": timed(lambda s, _: prefill_attention_once(s.cfg, s.opts.context)),
+    "dqgemm": timed(lambda s, _: prefill_products_once(s.engine.params)),
+    "gdn": timed(lambda s, _: chunked_recurrence_once(s.cfg)),
+    "gemm": timed(lambda s, _: gemm_once()),
     "stepprof": phase_stepprof,
     "alloc": phase_alloc,
     "stack": phase_stack,
@@ -449,6 +477,8 @@ def main() -> None:
     )
     for phase in opts.phases.split(","):
         kind, _, arg = phase.partition(":")
+        s.holding = kind.startswith("+")
+        kind = kind.removeprefix("+")
         if kind not in PHASE_RUNNERS:
             raise ValueError(f"unknown phase {phase!r}: one of {', '.join(PHASE_RUNNERS)}")
         result = PHASE_RUNNERS[kind](s, arg)
