@@ -21,9 +21,10 @@ reasons (`nvidia-smi`):
 - "stack:B": the context's stack per GPU thread set to B bytes (`cuCtxSetLimit`); every phase records the context's
   limits, flags and free memory (`context_sample`).
 - "attn": one prefill chunk's attention kernel (a static start); "dqgemm": a 128-row product with each int4 weight
-  shape; "gdn": the chunked recurrence (`chunk_gated_delta`) over a 128-position chunk at the model's linear heads;
-  "gemm": a bf16 XLA dot; "stepprof": the decode step's kernels, profiled (`device_loop_profile.step_profiler`);
-  "alloc:G": G GiB allocated and freed.
+  shape; "gdn[:MODE]": the chunked recurrence (`chunk_gated_delta`) over a 128-position chunk at the model's linear
+  heads, compiled with a prefill MODE's options, or its triangular solve alone ("trsm"); "gemm[:MODE]": a bf16 dot;
+  "stepprof": the decode step's kernels, profiled (`device_loop_profile.step_profiler`); "alloc:G": G GiB allocated
+  and freed.
 - A phase that compiles its own executables (genpart, prefill, attn, dqgemm, gdn, gemm) destroys them after it;
   "+KIND:ARG" keeps them alive until a "drop", which destroys them and every executable the Engine holds
   (`phase_drop`). The run of 6627ec2 named "+genpart:PART" "held:PART".
@@ -89,7 +90,7 @@ from jspec_bench.shapes import model_config, random_int4_params  # noqa: E402
 from pallas_kernels.int4_ws import Int4Codes  # noqa: E402
 from pallas_kernels.matmul import linear  # noqa: E402
 from pallas_kernels.prefill_attention import chunk_attention  # noqa: E402
-from pallas_kernels.recurrent import chunk_gated_delta  # noqa: E402
+from pallas_kernels.recurrent import CHUNK, chunk_gated_delta  # noqa: E402
 
 # The run of b721c5b (sustained_load_qwen35_h200.json): the read roofline cold, a minute of the chain, the roofline
 # hot, a rest, the chain again.
@@ -261,15 +262,22 @@ def prefill_products_once(params) -> list:
     return runs
 
 
-def chunked_recurrence_once(cfg: ModelConfig):
+def chunked_recurrence_once(cfg: ModelConfig, mode: str):
     """The prefill's chunked recurrence (`chunk_gated_delta`, float32) over one 128-position chunk at cfg's linear
-    heads (value heads; keys repeated to them, as `jspec.models.hybrid` does), run once: its executable."""
+    heads (value heads; keys repeated to them, as `jspec.models.hybrid` does), compiled with PREFILL_MODES[mode]
+    (default "shipped"), run once: its executable. Mode "trsm": its triangular solve alone, as shipped."""
     h, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     q, k = (jnp.full((128, h, dk), 0.01, jnp.float32) for _ in range(2))
     v = jnp.full((128, h, dv), 0.01, jnp.float32)
     g, beta = jnp.full((128, h), -0.1, jnp.float32), jnp.full((128, h), 0.5, jnp.float32)
-    run = jax.jit(chunk_gated_delta).lower(q, k, v, g, beta).compile(compiler_options())
-    jax.block_until_ready(run(q, k, v, g, beta))
+    fn, args = chunk_gated_delta, (q, k, v, g, beta)
+    if mode == "trsm":  # the solve of `chunk_gated_delta` at its shapes: [h, n, C, C] unit lower, [h, n, C, dv]
+        fn = functools.partial(jax.lax.linalg.triangular_solve, left_side=True, lower=True, unit_diagonal=True)
+        system = jnp.broadcast_to(jnp.eye(CHUNK, dtype=jnp.float32), (h, 128 // CHUNK, CHUNK, CHUNK))
+        args = (system, jnp.ones((h, 128 // CHUNK, CHUNK, dv), jnp.float32))
+    options = compiler_options() and PREFILL_MODES["shipped" if mode in ("", "trsm") else mode]
+    run = jax.jit(fn).lower(*args).compile(options)
+    jax.block_until_ready(run(*args))
     return run
 
 
@@ -379,9 +387,10 @@ def phase_stack(_: Session, nbytes: str) -> dict:
         return {"ctx_error": one_line(e)}
 
 
-def gemm_once():
+def gemm_once(mode: str):
+    """A bf16 4096 x 4096 XLA dot compiled with PREFILL_MODES[mode] (default "shipped"), run once: its executable."""
     a = jnp.ones((4096, 4096), jnp.bfloat16)
-    run = jax.jit(jnp.dot).lower(a, a).compile(compiler_options())
+    run = jax.jit(jnp.dot).lower(a, a).compile(compiler_options() and PREFILL_MODES[mode or "shipped"])
     run(a, a).block_until_ready()
     return run
 
@@ -427,8 +436,8 @@ PHASE_RUNNERS = {  # kind -> runner(session, the phase's argument) -> what the p
     "prefill": timed(lambda s, mode: prefill_once(s.engine.params, s.cfg, s.prompt, mode)),
     "attn": timed(lambda s, _: prefill_attention_once(s.cfg, s.opts.context)),
     "dqgemm": timed(lambda s, _: prefill_products_once(s.engine.params)),
-    "gdn": timed(lambda s, _: chunked_recurrence_once(s.cfg)),
-    "gemm": timed(lambda s, _: gemm_once()),
+    "gdn": timed(lambda s, mode: chunked_recurrence_once(s.cfg, mode)),
+    "gemm": timed(lambda s, mode: gemm_once(mode)),
     "stepprof": phase_stepprof,
     "alloc": phase_alloc,
     "stack": phase_stack,
