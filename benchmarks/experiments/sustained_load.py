@@ -22,7 +22,9 @@ reasons (`nvidia-smi`):
   limits, flags and free memory (`context_sample`).
 - "attn": one prefill chunk's attention kernel (a static start); "dqgemm": a 128-row product with each int4 weight
   shape; "gdn[:MODE]": the chunked recurrence (`chunk_gated_delta`) over a 128-position chunk at the model's linear
-  heads, compiled with a prefill MODE's options, or its triangular solve alone ("trsm"); "gemm[:MODE]": a bf16 dot;
+  heads, compiled with a prefill MODE's options, or one part of it alone: "trsm" (its triangular solve), "einsum" /
+  "einsum_default" (its float32 q k^T products, HIGHEST / default precision), "scan" (its chunk loop's state
+  updates), "cumexp" (its decays); "gemm[:MODE]": a bf16 dot;
   "stepprof": the decode step's kernels, profiled (`device_loop_profile.step_profiler`); "alloc:G": G GiB allocated
   and freed.
 - A phase that compiles its own executables (genpart, prefill, attn, dqgemm, gdn, gemm) destroys them after it;
@@ -64,6 +66,7 @@ import functools
 import gc
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -95,6 +98,7 @@ from pallas_kernels.recurrent import CHUNK, chunk_gated_delta  # noqa: E402
 # The run of b721c5b (sustained_load_qwen35_h200.json): the read roofline cold, a minute of the chain, the roofline
 # hot, a rest, the chain again.
 PHASES = "roofline,chain:60,roofline,rest:20,chain:4"
+CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')  # in a compiled executable's HLO text
 SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
@@ -265,17 +269,36 @@ def prefill_products_once(params) -> list:
 def chunked_recurrence_once(cfg: ModelConfig, mode: str):
     """The prefill's chunked recurrence (`chunk_gated_delta`, float32) over one 128-position chunk at cfg's linear
     heads (value heads; keys repeated to them, as `jspec.models.hybrid` does), compiled with PREFILL_MODES[mode]
-    (default "shipped"), run once: its executable. Mode "trsm": its triangular solve alone, as shipped."""
+    (default "shipped"), or one part of it (module docstring: "gdn[:MODE]") as shipped, run once: its
+    executable."""
     h, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     q, k = (jnp.full((128, h, dk), 0.01, jnp.float32) for _ in range(2))
     v = jnp.full((128, h, dv), 0.01, jnp.float32)
     g, beta = jnp.full((128, h), -0.1, jnp.float32), jnp.full((128, h), 0.5, jnp.float32)
+    n = 128 // CHUNK
+    blocks = jnp.full((h, n, CHUNK, dk), 0.01, jnp.float32)  # [h, n, C, dk]: a chunked q or k
     fn, args = chunk_gated_delta, (q, k, v, g, beta)
     if mode == "trsm":  # the solve of `chunk_gated_delta` at its shapes: [h, n, C, C] unit lower, [h, n, C, dv]
         fn = functools.partial(jax.lax.linalg.triangular_solve, left_side=True, lower=True, unit_diagonal=True)
-        system = jnp.broadcast_to(jnp.eye(CHUNK, dtype=jnp.float32), (h, 128 // CHUNK, CHUNK, CHUNK))
-        args = (system, jnp.ones((h, 128 // CHUNK, CHUNK, dv), jnp.float32))
-    options = compiler_options() and PREFILL_MODES["shipped" if mode in ("", "trsm") else mode]
+        system = jnp.broadcast_to(jnp.eye(CHUNK, dtype=jnp.float32), (h, n, CHUNK, CHUNK))
+        args = (system, jnp.ones((h, n, CHUNK, dv), jnp.float32))
+    elif mode in ("einsum", "einsum_default"):  # its q k^T products, float32 (HIGHEST, as shipped, or default)
+        precision = jax.lax.Precision.HIGHEST if mode == "einsum" else None
+        fn = functools.partial(jnp.einsum, "hncd,hned->hnce", precision=precision)
+        args = (blocks, blocks)
+    elif mode == "scan":  # its chunk loop: n state updates in a lax.scan, the products HIGHEST
+
+        def fn(state, k_blocks):
+            def body(state, k_c):  # k_c [h, C, dk]
+                u = jnp.einsum("hcd,hde->hce", k_c, state, precision=jax.lax.Precision.HIGHEST)
+                return state + jnp.einsum("hcd,hce->hde", k_c, u, precision=jax.lax.Precision.HIGHEST), u
+
+            return jax.lax.scan(body, state, jnp.moveaxis(k_blocks, 1, 0))
+
+        args = (jnp.zeros((h, dk, dv), jnp.float32), blocks)
+    elif mode == "cumexp":  # its decays: cumsum and exp over [h, n, C]
+        fn, args = (lambda g: jnp.exp(jnp.cumsum(g, axis=-1))), (jnp.full((h, n, CHUNK), -0.1, jnp.float32),)
+    options = compiler_options() and PREFILL_MODES[mode if mode in PREFILL_MODES else "shipped"]
     run = jax.jit(fn).lower(*args).compile(options)
     jax.block_until_ready(run(*args))
     return run
@@ -409,7 +432,7 @@ def phase_rest(s: Session, seconds: str) -> dict:
 
 def timed(run: Callable[[Session, str], object]) -> Callable[[Session, str], dict]:
     """A runner recording the seconds run(session, arg) took, compiles included; what run returns (its executables)
-    is held when the phase is a "+KIND:ARG", else destroyed."""
+    is held when the phase is a "+KIND:ARG", else destroyed; and the custom calls its executables make."""
 
     def runner(s: Session, arg: str) -> dict:
         t0 = time.perf_counter()
@@ -417,7 +440,8 @@ def timed(run: Callable[[Session, str], object]) -> Callable[[Session, str], dic
         wall = time.perf_counter() - t0
         if s.holding:
             s.held.append(executables)
-        return {"wall_s": wall}
+        texts = [e.as_text() for e in (executables if isinstance(executables, list) else [executables]) if e]
+        return {"wall_s": wall, "custom_calls": sorted({c for t in texts for c in re.findall(CUSTOM_CALL, t)})}
 
     return runner
 
