@@ -155,10 +155,13 @@ def chain_walls(params: dict, cfg, context: int, chains: list[str], iterations: 
     """{label: wall(trips) -> seconds} of decode chains (module docstring): "U" runs U steps a while-loop iteration,
     "U-nested" the same while loop inside a `lax.cond` (as `generate_on_device` nests its loop in the request
     check), "U-internal" with its state made inside the executable (zeros at `context`, as `generate_on_device` makes
-    its own) rather than passed in."""
+    its own) rather than passed in, "U-nographs" compiled without command buffers (the host launches every kernel)."""
     walls = {}
     for label in chains:
         unroll, nested, internal = int(label.split("-")[0]), label.endswith("-nested"), label.endswith("-internal")
+        options = compiler_options()
+        if options and label.endswith("-nographs"):
+            options |= {"xla_gpu_enable_command_buffer": ""}
         max_len = context + iterations * unroll + 2 * ROW_TILE
         base = random_state(cfg, max_len, context, jnp.bfloat16, 1)
 
@@ -178,7 +181,7 @@ def chain_walls(params: dict, cfg, context: int, chains: list[str], iterations: 
 
             return jax.lax.cond(trips > 0, run, lambda s: s, state) if nested else run(state)
 
-        run_chain = jax.jit(chain, donate_argnums=1).lower(params, base, 1).compile(compiler_options())
+        run_chain = jax.jit(chain, donate_argnums=1).lower(params, base, 1).compile(options)
 
         def wall(trips: int, base=base, run_chain=run_chain) -> float:
             state = copy_tree(base)

@@ -5,8 +5,9 @@ loop it runs ~2.70, about what every generation's token costs, for as long as th
 --phases, in order (comma-separated); after each, the GPU's SM and memory clocks, power, temperature and throttle
 reasons (`nvidia-smi`):
 - "roofline": the XLA read roofline (`jspec_bench.roofline._xla_sum_Bps`, 2 GiB).
-- "chain:S": S seconds of the decode chain of `device_loop_profile.chain_walls` (the Engine's prepared weights, one
-  step a while-loop iteration) in back-to-back windows of --window-s, each with the clocks sampled after it.
+- "chain:S[:LABEL]": S seconds of the decode chain LABEL of `device_loop_profile.chain_walls` (the Engine's prepared
+  weights; "1", one step a while-loop iteration, unless named; "1-nographs" launches every kernel from the host) in
+  back-to-back windows of --window-s, each with the clocks sampled after it.
 - "rest:S": S idle seconds.
 - "warm": the greedy on-device generation compiled and run once (n tokens, then 1); "generate:R": R timed
   generations (ms a token over --new-tokens minus 1; warms first); "hostgen:T": one host-loop generation of T
@@ -18,8 +19,9 @@ reasons (`nvidia-smi`):
 - "prefill:MODE": `jspec.steps.prefill` as its own executable: "compile" only, or run "shipped", "host_while" (no
   WHILE / CONDITIONAL graphs), "no_graphs", "no_blas_graphs" (cuBLAS / cuBLASLt calls outside the graphs).
 - "otherchain:LABEL": another chain (`chain_walls` labels: 1-nested, 1-internal) compiled and run.
-- "stack:B": the context's stack per GPU thread set to B bytes (`cuCtxSetLimit`); every phase records the context's
-  limits, flags and free memory (`context_sample`).
+- "stack:B": the context's stack per GPU thread set to B bytes (`cuCtxSetLimit`); "cacheconfig:C": its cache
+  configuration set to C (`cuCtxSetCacheConfig`); every phase records the context's limits, cache and shared-memory
+  configurations, flags and free memory (`context_sample`).
 - "attn": one prefill chunk's attention kernel (a static start); "dqgemm": a 128-row product with each int4 weight
   shape; "gdn[:MODE]": the chunked recurrence (`chunk_gated_delta`) over a 128-position chunk at the model's linear
   heads, compiled with a prefill MODE's options, or one part of it alone: "trsm" (its triangular solve), "einsum" /
@@ -45,16 +47,37 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   step's kernels, profiled per call, are unchanged by it (2659 -> 2656 us).
 - sustained_load_genpart_qwen35_h200.json (46f6e18): nor do the generation's parts, each its own executable run once
   (start_loop; start_loop + first_round; start_loop + 65 decode rounds; prefill_round): the chain 2.49-2.53 ms
-  throughout. What enters the state is in their combination or in how the Engine runs them. Next, in one process
-  with the context's limits recorded after every phase: "prefill_rounds", "generate_on_device" (jitted here),
-  `devexec:run`, then "stack:1024" (the stack per thread the driver grows for a kernel that needs more local memory
-  and never shrinks: if it grew where the chain slowed, resetting it should bring the chain back).
+  throughout.
+- sustained_load_stack_qwen35_h200.json, sustained_load_eager_qwen35_h200.json (d07dd53): the context's limits never
+  move (the stack 1024 bytes a thread in every phase; setting it changes nothing); with CUDA_MODULE_LOADING=EAGER the
+  modules load at the compile (520 MB of device memory) and the chain stays 2.52-2.54 after it; the first run of the
+  Engine's generation executable enters the state in both (2.69-2.70), while `prefill_rounds` and the generation
+  jitted here (an identical program: its StableHLO differs only in the module's name), each run once and destroyed,
+  do not (2.51-2.54).
+- sustained_load_held_qwen35_h200.json, sustained_load_drop_qwen35_h200.json (6627ec2): destroying the Engine's
+  executables ("drop") leaves the state (2.47-2.54); the generation jitted here enters it when held alive (2.70-2.72),
+  as does `prefill_round` held (2.72-2.97); `start_loop` held, and it with 65 rounds, do not (2.50-2.57). A
+  generation's token costs 2.65-2.72 ms whichever process state came before it.
+- sustained_load_heldkernels (fa38d48), _blas, _platform_alloc, _sticky (ccd139e), _gdn_{einsum,einsum_default,scan,
+  cumexp} (66d0f1c) _qwen35_h200.json: one run of the chunked recurrence ("gdn": `chunk_gated_delta` over one
+  128-position chunk, the prefill's chunk) enters the state, held or destroyed at once, with graphs or without them,
+  with the platform allocator (XLA_PYTHON_CLIENT_ALLOCATOR=platform) too; after it, neither "drop", 40 GiB allocated,
+  nor a rest leaves it (the platform run's later generation and drop did: 2.47-2.54). Its parts alone do not: its
+  float32 products (HIGHEST: one cuBLASLt matmul; default), its triangular solve (cuBLAS trsm), its chunk loop, its
+  decays; nor a held prefill attention kernel, the held prefill int4 products, a held bf16 dot; nor (trigger runs)
+  the prefill, which runs it in each of its chunks, destroyed after one run. Not the context's limits, not module
+  loading, not the allocator, not the graphs: some kernel sequences enter the state and some later events leave it.
+  Next, one process: the chain launched from the host ("1-nographs") beside the shipped chain before and after "gdn"
+  (is it the kernels' execution or the graphs' launches?), with the context's cache configuration recorded and set
+  ("cacheconfig:C": the L1 / shared-memory preference a kernel sequence could leave behind).
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
-    P=chain:1,genpart:prefill_rounds,chain:1,genpart:generate_on_device,chain:1,devexec:run,chain:1,stack:1024,chain:1
+    P=chain:1,chain:1:1-nographs,gdn,chain:1,chain:1:1-nographs,cacheconfig:2,chain:1,cacheconfig:0,chain:1
     python3 benchmarks/experiments/sustained_load.py --window-s 0.5 --phases $P --commit SHA --out ...
     cd benchmarks/experiments/results
     python3 ../sustained_load.py --plot ../../plots/process_state.png sustained_load_{generate,trigger,genpart}*.json
+    python3 ../sustained_load.py --plot ../../plots/process_state_executables.png sustained_load_{stack,held,drop,\
+        heldkernels,blas,platform_alloc,sticky,gdn_einsum,gdn_scan,gdn_cumexp}_qwen35_h200.json
 """
 
 from __future__ import annotations
@@ -146,7 +169,8 @@ def on_primary_context(fn):
 
 def context_sample() -> dict:
     """The CUDA primary context's limits (`cuCtxGetLimit`; the driver grows the stack per thread when a kernel needs
-    more local memory and never shrinks it back), its flags and the free device memory, or the error."""
+    more local memory and never shrinks it back), its cache and shared-memory configurations, its flags and the free
+    device memory, or the error."""
 
     def sample(cuda) -> dict:
         value, flags, free, total = ctypes.c_size_t(), ctypes.c_uint(), ctypes.c_size_t(), ctypes.c_size_t()
@@ -154,6 +178,11 @@ def context_sample() -> dict:
         for limit, name in enumerate(CU_LIMITS):  # a limit the driver does not support reads as its CUresult
             status = cuda.cuCtxGetLimit(ctypes.byref(value), limit)
             out[f"limit_{name}"] = value.value if status == 0 else f"CUresult {status}"
+        configs = (("cache_config", cuda.cuCtxGetCacheConfig), ("shared_mem_config", cuda.cuCtxGetSharedMemConfig))
+        for name, get in configs:
+            config = ctypes.c_int()  # CUfunc_cache: 0 none, 1 prefer shared, 2 prefer L1, 3 equal
+            status = get(ctypes.byref(config))
+            out[name] = config.value if status == 0 else f"CUresult {status}"
         _cuda_call(cuda, cuda.cuCtxGetFlags(ctypes.byref(flags)), "cuCtxGetFlags")
         _cuda_call(cuda, cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo")
         return out | {"ctx_flags": flags.value, "free_bytes": free.value}
@@ -164,9 +193,17 @@ def context_sample() -> dict:
         return {"ctx_error": one_line(e)}
 
 
-def set_stack_limit(nbytes: int) -> None:
-    """cuCtxSetLimit(CU_LIMIT_STACK_SIZE, nbytes) on the primary context (waits for the device's work)."""
-    on_primary_context(lambda cuda: _cuda_call(cuda, cuda.cuCtxSetLimit(0, ctypes.c_size_t(nbytes)), "cuCtxSetLimit"))
+def set_context(what: str, value: int) -> None:
+    """On the primary context: what "stack", cuCtxSetLimit(CU_LIMIT_STACK_SIZE, value bytes) (waits for the
+    device's work); "cache", cuCtxSetCacheConfig(value) (CUfunc_cache, `context_sample`)."""
+
+    def set_it(cuda) -> None:
+        if what == "stack":
+            _cuda_call(cuda, cuda.cuCtxSetLimit(0, ctypes.c_size_t(value)), "cuCtxSetLimit")
+        else:
+            _cuda_call(cuda, cuda.cuCtxSetCacheConfig(value), "cuCtxSetCacheConfig")
+
+    on_primary_context(set_it)
 
 
 def prefill_attention_once(cfg, context: int):
@@ -337,7 +374,7 @@ def plot_runs(paths: list[str], png: str) -> None:
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle("chain ms a step (blue), generations' ms a token (orange), other phases (grey); a panel a process",
                  fontsize=10)  # fmt: skip
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))  # the title's line above the panels
     fig.savefig(png, dpi=90)
     print(f"plot: {png}")
 
@@ -345,14 +382,14 @@ def plot_runs(paths: list[str], png: str) -> None:
 @dataclasses.dataclass
 class Session:
     """What the phases of one run share: the Engine (its prepared weights), the prompt, the generation's length n,
-    the options, the chain's per-step timer, the generation's wall timer and the run's output."""
+    the options, the chains' per-step timers, the generation's wall timer and the run's output."""
 
     engine: Engine
     cfg: ModelConfig
     prompt: np.ndarray
     n: int
     opts: argparse.Namespace
-    chain_step_ms: Callable[[], float]
+    chains: dict[str, Callable[[], float]]  # chain label -> its ms a step, one measurement (`chain_timer`)
     generation: Callable[[int], float]
     out: dict
     step_kernels: Callable[[], dict] | None = None  # the decode step's profiler, compiled at the first "stepprof"
@@ -361,13 +398,26 @@ class Session:
     held: list = dataclasses.field(default_factory=list)  # executables alive until "drop"
 
 
-def phase_chain(s: Session, seconds: str) -> dict:
-    """The chain for `seconds` in windows of --window-s, each its median ms a step and the GPU's clocks after it."""
+def chain_timer(engine: Engine, cfg: ModelConfig, context: int, label: str, iterations: int) -> Callable[[], float]:
+    """The chain `label` compiled: a function timing it once, its ms a step (iterations T minus 1)."""
+    wall, trips, _ = chain_walls(engine.params, cfg, context, [label], iterations)[label]
+    short = wall(1)
+    return lambda: 1e3 * (wall(trips) - short) / (trips - 1)
+
+
+def phase_chain(s: Session, arg: str) -> dict:
+    """The chain LABEL ("SECONDS[:LABEL]") for SECONDS in windows of --window-s, each its median ms a step and the
+    GPU's clocks after it."""
+    seconds, _, label = arg.partition(":")
+    label = label or "1"
+    if label not in s.chains:  # compiled at its first phase
+        s.chains[label] = chain_timer(s.engine, s.cfg, s.opts.context, label, s.opts.iterations)
+    step_ms = s.chains[label]
     start, windows, window_s = time.perf_counter(), [], s.opts.window_s
     while time.perf_counter() - start < (min(float(seconds), 2 * window_s) if s.opts.quick else float(seconds)):
         w0, steps = time.perf_counter(), []
         while time.perf_counter() - w0 < window_s:
-            steps.append(s.chain_step_ms())
+            steps.append(step_ms())
         windows.append({"ms_per_step": statistics.median(steps), "steps": len(steps)} | gpu_sample())
     return {"windows": windows}
 
@@ -402,12 +452,17 @@ def phase_stepprof(s: Session, _: str) -> dict:
     return {"step": s.step_kernels and s.step_kernels()}
 
 
-def phase_stack(_: Session, nbytes: str) -> dict:
-    try:
-        set_stack_limit(int(nbytes))
-        return {}
-    except Exception as e:  # no libcuda (a CPU smoke run), or the driver refused: recorded, the run goes on
-        return {"ctx_error": one_line(e)}
+def phase_context(what: str) -> Callable[[Session, str], dict]:
+    """The runner of "stack:B" / "cacheconfig:C" (`set_context`)."""
+
+    def runner(_: Session, value: str) -> dict:
+        try:
+            set_context(what, int(value))
+            return {}
+        except Exception as e:  # no libcuda (a CPU smoke run), or the driver refused: recorded, the run goes on
+            return {"ctx_error": one_line(e)}
+
+    return runner
 
 
 def gemm_once(mode: str):
@@ -464,7 +519,8 @@ PHASE_RUNNERS = {  # kind -> runner(session, the phase's argument) -> what the p
     "gemm": timed(lambda s, mode: gemm_once(mode)),
     "stepprof": phase_stepprof,
     "alloc": phase_alloc,
-    "stack": phase_stack,
+    "stack": phase_context("stack"),
+    "cacheconfig": phase_context("cache"),
 }
 
 
@@ -491,8 +547,6 @@ def main() -> None:
     n = 9 if opts.quick else opts.new_tokens
     engine = Engine(random_int4_params(cfg, 0, True), cfg, max_len=opts.context + n + 16, k=1, prefill_chunk=128)
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, (opts.context,)).astype(np.int32)
-    wall, trips, _ = chain_walls(engine.params, cfg, opts.context, ["1"], opts.iterations)["1"]
-    short = wall(1)
     out = {
         "meta": experiment_meta(opts.commit, model=opts.model, context=opts.context, phases=opts.phases),
         "idle": gpu_sample() | context_sample(),
@@ -504,7 +558,7 @@ def main() -> None:
         prompt,
         n,
         opts,
-        lambda: 1e3 * (wall(trips) - short) / (trips - 1),
+        {"1": chain_timer(engine, cfg, opts.context, "1", opts.iterations)},
         generation_wall(engine, prompt),
         out,
     )
