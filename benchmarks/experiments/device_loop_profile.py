@@ -70,6 +70,7 @@ from jspec_bench.timing import kernel_times, profile, stream_events  # noqa: E40
 from pallas_kernels import ROW_TILE  # noqa: E402
 
 SHIPPED = dict(engine_module.GPU_COMPILER_OPTIONS)
+NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}  # XLA forms no command buffer: the host launches every kernel
 VARIANTS = {
     "shipped": SHIPPED,
     "host_while": SHIPPED | {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"},
@@ -161,7 +162,7 @@ def chain_walls(params: dict, cfg, context: int, chains: list[str], iterations: 
         unroll, nested, internal = int(label.split("-")[0]), label.endswith("-nested"), label.endswith("-internal")
         options = compiler_options()
         if options and label.endswith("-nographs"):
-            options |= {"xla_gpu_enable_command_buffer": ""}
+            options |= NO_GRAPHS
         max_len = context + iterations * unroll + 2 * ROW_TILE
         base = random_state(cfg, max_len, context, jnp.bfloat16, 1)
 

@@ -103,7 +103,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/: 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from device_loop_profile import VARIANTS, chain_walls, generation_wall, step_profiler  # noqa: E402
+from device_loop_profile import NO_GRAPHS, VARIANTS, chain_walls, generation_wall, step_profiler  # noqa: E402
 
 from jspec.config import ModelConfig  # noqa: E402
 from jspec.engine import Engine, compiler_options  # noqa: E402
@@ -222,7 +222,7 @@ PREFILL_MODES = {  # prefill:MODE -> the XLA options its executable compiles wit
     "shipped": VARIANTS["shipped"],
     "compile": VARIANTS["shipped"],  # compiled, not run
     "host_while": VARIANTS["host_while"],  # no WHILE / CONDITIONAL command buffers: the host drives the loops
-    "no_graphs": VARIANTS["shipped"] | {"xla_gpu_enable_command_buffer": ""},
+    "no_graphs": VARIANTS["shipped"] | NO_GRAPHS,
     "no_blas_graphs": VARIANTS["shipped"]
     | {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"},
 }
@@ -495,7 +495,8 @@ def timed(run: Callable[[Session, str], object]) -> Callable[[Session, str], dic
         wall = time.perf_counter() - t0
         if s.holding:
             s.held.append(executables)
-        texts = [e.as_text() for e in (executables if isinstance(executables, list) else [executables]) if e]
+        listed = executables if isinstance(executables, list) else [executables]  # otherchain: its walls, no text
+        texts = [e.as_text() for e in listed if isinstance(e, jax.stages.Compiled)]
         return {"wall_s": wall, "custom_calls": sorted({c for t in texts for c in re.findall(CUSTOM_CALL, t)})}
 
     return runner
