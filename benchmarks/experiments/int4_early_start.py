@@ -40,7 +40,7 @@ from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
 from jspec_bench.roofline import _xla_sum_Bps  # noqa: E402
 from jspec_bench.shapes import copy_tree, model_config, random_int4_params, random_state, step_bytes  # noqa: E402
 from jspec_bench.steps import lower_steps  # noqa: E402
-from pallas_kernels import ROW_TILE, int4_ws  # noqa: E402
+from pallas_kernels import ROW_TILE, int4_ws, matmul  # noqa: E402
 
 VARIANTS = {"off": False, "on": True}
 ROOFLINE_ELEMENTS = 1 << 30  # 2 GiB of bf16 read by `jnp.sum`, as sustained_load.py's "roofline"
@@ -49,7 +49,11 @@ ROOFLINE_ELEMENTS = 1 << 30  # 2 GiB of bf16 read by `jnp.sum`, as sustained_loa
 @contextlib.contextmanager
 def early_start(on: bool, traced: list):
     """Every int4 product traced inside takes `int4_ws.config_for`'s Config with early_start = on; each one's
-    Config is appended to `traced`."""
+    Config is appended to `traced`. JAX's trace caches are cleared first: a function traced under the other value
+    (the row-tile product's custom_vmap, a step) would otherwise be reused with its products (the run of fb1a83e
+    traced none under the second value)."""
+    jax.clear_caches()
+    matmul._row_tiles_under.cache_clear()
     shipped = int4_ws.config_for
 
     def config_for(k: int, n: int) -> int4_ws.Config:
