@@ -4,13 +4,14 @@ L2 for the weights of their first ring of steps and wait for that kernel (`gridd
 The Qwen3.5 step runs 129 int4 launches, most of them 4-12 pipeline steps a CTA, whose ramp (the first weight tiles'
 DRAM latency) and launch gap this would hide.
 
-For each model in --models (random int4, prepared as the Engine prepares them), each variant (early_start off, on)
-compiled in this process: the decode step's logits (3 chained calls) and cache bits, which must be equal between
-the variants; the step's kernels profiled per call (`device_loop_profile.step_profiler`); bare decode chains
-(`device_loop_profile.chain_walls`: "1" with the shipped graphs, "1-nographs" launched from the host), every
-variant's trials interleaved (`interleaved`); then (unless --no-generate) one Engine per variant, their greedy
-on-device generations of --new-tokens tokens interleaved, ms a token from the difference of two lengths, the
-tokens compared. The chains run first: a process's first generation slows every later step (sustained_load.py).
+For each model in --models (random int4, prepared as the Engine prepares them), each variant (early_start off, on,
+and "wait": on with its L2 prefetch a no-op) compiled in this process: the decode step's logits (3 chained calls)
+and cache bits, which must be equal between the variants; the step's kernels profiled per call
+(`device_loop_profile.step_profiler`); bare decode chains (`device_loop_profile.chain_walls`: "1" with the shipped
+graphs, "1-nographs" launched from the host), every variant's trials interleaved (`interleaved`); then (unless --no-
+generate) one Engine per variant, their greedy on-device generations of --new-tokens tokens interleaved, ms a token
+from the difference of two lengths, the tokens compared. The chains run first: a process's first generation slows
+every later step (sustained_load.py).
 
     python3 benchmarks/experiments/int4_early_start.py --commit SHA --out $OUT/int4_early_start_h200.json
     python3 benchmarks/experiments/int4_early_start.py --quick --out /tmp/int4_early_start_cpu.json
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/: device_loop_profile
 
 import jax  # noqa: E402
+import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from device_loop_profile import chain_walls, generation_wall, interleaved, step_profiler  # noqa: E402
@@ -42,8 +44,19 @@ from jspec_bench.shapes import copy_tree, model_config, random_int4_params, rand
 from jspec_bench.steps import lower_steps  # noqa: E402
 from pallas_kernels import ROW_TILE, int4_ws, matmul  # noqa: E402
 
-VARIANTS = {"off": False, "on": True}
+VARIANTS = {"off": False, "on": True, "wait": True}  # "wait": early_start with its L2 prefetch a no-op
 ROOFLINE_ELEMENTS = 1 << 30  # 2 GiB of bf16 read by `jnp.sum`, as sustained_load.py's "roofline"
+
+
+@contextlib.contextmanager
+def no_prefetch():
+    """`plgpu.async_prefetch` a no-op (the kernel looks it up when traced): early_start's wait alone."""
+    shipped = plgpu.async_prefetch
+    plgpu.async_prefetch = lambda ref: None
+    try:
+        yield
+    finally:
+        plgpu.async_prefetch = shipped
 
 
 @contextlib.contextmanager
@@ -83,32 +96,37 @@ def run_model(name: str, opts) -> dict:
     params = random_int4_params(cfg, 0, True)
     max_len = opts.prompt_len + opts.new_tokens + 2 * ROW_TILE
     engines = {v: Engine(params, cfg, max_len=max_len, k=1, prefill_chunk=128) for v in VARIANTS}
-    prepared = engines["off"].params  # the same weights in both: the Config is read when the products are traced
+    prepared = engines[
+        "off"
+    ].params  # the same weights in every variant: the Config is read when the products are traced
     res = {"config": dataclasses.asdict(cfg), "context": opts.prompt_len, "variants": {}}
     state = random_state(cfg, max_len, opts.prompt_len, jnp.bfloat16, 1)
     res["bytes_per_step"] = step_bytes(prepared, cfg, state, 1)
     walls, step_bits = {}, {}
     traced = {variant: [] for variant in VARIANTS}
     for variant, on in VARIANTS.items():
-        with early_start(on, traced[variant]):
+        with early_start(on, traced[variant]), no_prefetch() if variant == "wait" else contextlib.nullcontext():
             step_bits[variant] = decode_bits(prepared, cfg, opts.prompt_len)
             profiler = step_profiler(prepared, cfg, opts.prompt_len)
             res["variants"][variant] = {"step_kernels": profiler and profiler()}
             chains = chain_walls(prepared, cfg, opts.prompt_len, opts.chains.split(","), opts.iterations)
         walls.update({f"{variant}:{label}": wall for label, wall in chains.items()})
-    res["decode_bits_equal"] = all(np.array_equal(a, b) for a, b in zip(*step_bits.values(), strict=True))
+    res["decode_bits_equal"] = all(
+        np.array_equal(a, b) for bits_ in step_bits.values() for a, b in zip(step_bits["off"], bits_, strict=True)
+    )
     res["chains"] = interleaved(walls, opts.trials)
     if not opts.no_generate:
         prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, (opts.prompt_len,)).astype(np.int32)
         gens, tokens = {}, {}
         for variant, on in VARIANTS.items():
-            with early_start(on, traced[variant]):  # the Engine compiles at its first generation
+            wait_only = no_prefetch() if variant == "wait" else contextlib.nullcontext()
+            with early_start(on, traced[variant]), wait_only:  # the Engine compiles at its first generation
                 tokens[variant] = engines[variant].generate(prompt, opts.new_tokens, eos_id=(), on_device=True).tokens
             wall = generation_wall(engines[variant], prompt)
             wall(1)
             gens[f"{variant}:generate"] = (wall, opts.new_tokens, 1)
         res["generations"] = interleaved(gens, opts.trials)
-        res["tokens_equal"] = tokens["off"] == tokens["on"]
+        res["tokens_equal"] = all(t == tokens["off"] for t in tokens.values())
     for variant, configs in traced.items():  # products traced with each early_start value (none off the GPU)
         res["variants"][variant]["int4_traced"] = {
             str(on): sum(c.early_start == on for c in configs) for on in (False, True)
