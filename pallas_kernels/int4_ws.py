@@ -83,12 +83,7 @@ class Config:
     2 chunks: -4.6% int4 kernel time in the Llama-3-8B decode step, -6.0% at Qwen2.5-14B (docs/kernels.md).
     wide_wgmma: a launch of T row tiles issues one wgmma of N = 16 T per chunk, into one accumulator, rather than T
     of N = 16 (a tile's columns get the bits its own N = 16 wgmma gives: the wgmma's N columns are independent dot
-    products over the same k; a GPU test checks it).
-    early_start: programmatic dependent launch (`plgpu.griddepcontrol_wait`; jax >= 0.11.1 launches the kernel
-    with CUDA's programmatic stream serialization): the CTAs start as the kernel before them finishes, ask L2 for
-    their first ring of code and scale tiles (`plgpu.async_prefetch`: the weights depend on no kernel), then wait
-    for the kernel before to complete before anything reads x or writes the partials. The same arithmetic in the
-    same order: the bits do not depend on it (a GPU test checks it)."""
+    products over the same k; a GPU test checks it)."""
 
     stages: int = 4
     wg_rows: int = 64
@@ -96,7 +91,6 @@ class Config:
     min_steps: int = 4
     chunks: int = 2
     wide_wgmma: bool = True
-    early_start: bool = True
 
     @property
     def tile_rows(self) -> int:
@@ -379,17 +373,6 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
         def step_block(j):  # tile t's codes / scales of step ks: row block ks * tiles + t of the [steps * N, -1] views
             t, ks = unit(j)
             return (ks * part.tiles + t, 0)
-
-        if cfg.early_start:  # the weights of the CTA's first ring of steps to L2, then wait for x's producer
-
-            @pl.when(wg == 0)
-            def _():
-                for j in range(min(ring(cfg, tiles), part.per_cta)):
-                    block = pl.ds(step_block(j)[0] * tile_rows, tile_rows)
-                    plgpu.async_prefetch(c_gmem.at[block])
-                    plgpu.async_prefetch(s_gmem.at[block])
-
-            plgpu.griddepcontrol_wait()
 
         def compute_context(eval_pipeline):
             def acc_scope(*accs):

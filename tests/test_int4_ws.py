@@ -273,22 +273,6 @@ def test_gpu_k_chunks_do_not_change_the_bits():
         assert all(np.array_equal(bits(y), bits(ys[0])) for y in ys[1:])
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
-def test_gpu_early_start_does_not_change_the_bits():
-    # early_start only moves when the CTAs start and what L2 holds: the same bits, with x made by the kernel just
-    # before (a CTA reading x before that kernel completes would see the previous contents of x's buffer)
-    k, n = 1280, 512
-    c = prepare_codes(_weight(k, n, seed=18))
-    x = jnp.asarray(np.random.default_rng(19).standard_normal((16, k)), jnp.bfloat16)
-    for base in (int4_ws.Config(), int4_ws.Config(ctas=7, min_steps=1), int4_ws.Config(wg_rows=128)):
-        ys = []
-        for early in (False, True):
-            cfg = dataclasses.replace(base, early_start=early)
-            chain = jax.jit(lambda x, c, cfg=cfg: int4_ws.rows_matmul(jnp.tanh(x) * 3, c, config=cfg))
-            ys += [np.asarray(chain(x, c)), np.asarray(int4_ws.rows_matmul(x, c, config=cfg))]
-        assert np.array_equal(bits(ys[0]), bits(ys[2])) and np.array_equal(bits(ys[1]), bits(ys[3])), base
-
-
 def test_launches_of_several_row_tiles_fit_shared_memory_and_keep_one_tile_unchanged():
     for cfg in (int4_ws.Config(), int4_ws.Config(wg_rows=128)):
         assert int4_ws.ring(cfg, 1) == cfg.stages  # one row tile: the ring of the decode and verify steps

@@ -67,17 +67,28 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   decays; nor a held prefill attention kernel, the held prefill int4 products, a held bf16 dot; nor (trigger runs)
   the prefill, which runs it in each of its chunks, destroyed after one run. Not the context's limits, not module
   loading, not the allocator, not the graphs: some kernel sequences enter the state and some later events leave it.
-  Next, one process: the chain launched from the host ("1-nographs") beside the shipped chain before and after "gdn"
-  (is it the kernels' execution or the graphs' launches?), with the context's cache configuration recorded and set
-  ("cacheconfig:C": the L1 / shared-memory preference a kernel sequence could leave behind).
+- sustained_load_nographs_qwen35_h200.json (335fde9): the chain launched from the host ("1-nographs") slows too, less
+  than the shipped chain: 2.71-2.80 -> 2.75-2.76 ms a step after "gdn", the shipped chain 2.50-2.52 -> 2.71. The
+  context's cache configuration is 0 (no preference) in every phase, and setting it to 2 (L1), 1 (shared) or back
+  to 0 moves nothing (2.71 in each).
+- sustained_load_connections1_qwen35_h200.json, sustained_load_connections32_qwen35_h200.json (f36798a; the meta's
+  env holds CUDA_DEVICE_MAX_CONNECTIONS = 1, 32): with one hardware work queue or 32 the same: the chain 2.49-2.51
+  -> 2.68 (1) and 2.51 -> 2.71-2.72 (32) after "gdn", the host-launched chain 2.71-2.80 -> 2.84-2.98, a generation
+  2.67 ms a token. Not the cache preference, not the queues: the state costs the shipped chain 0.17-0.21 ms a step
+  and the host-launched one 0.04-0.18, its mechanism still unknown (next: a GPU timeline of one graph launch in each
+  state, nsys, where the device has it).
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
-    P=chain:1,chain:1:1-nographs,gdn,chain:1,chain:1:1-nographs,cacheconfig:2,chain:1,cacheconfig:0,chain:1
+    P=chain:1,chain:1:1-nographs,gdn,chain:1,chain:1:1-nographs,cacheconfig:2,chain:1,cacheconfig:1,chain:1,cacheconfig:0,chain:1
     python3 benchmarks/experiments/sustained_load.py --window-s 0.5 --phases $P --commit SHA --out ...
+    CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/experiments/sustained_load.py --window-s 0.5 \
+        --phases chain:1,chain:1:1-nographs,gdn,chain:1,chain:1:1-nographs --commit SHA --out ...
     cd benchmarks/experiments/results
     python3 ../sustained_load.py --plot ../../plots/process_state.png sustained_load_{generate,trigger,genpart}*.json
     python3 ../sustained_load.py --plot ../../plots/process_state_executables.png sustained_load_{stack,held,drop,\
         heldkernels,blas,platform_alloc,sticky,gdn_einsum,gdn_scan,gdn_cumexp}_qwen35_h200.json
+    python3 ../sustained_load.py --plot ../../plots/process_state_launches.png \
+        sustained_load_{nographs,connections1,connections32}_qwen35_h200.json
 """
 
 from __future__ import annotations
@@ -122,6 +133,7 @@ from pallas_kernels.recurrent import CHUNK, chunk_gated_delta  # noqa: E402
 # hot, a rest, the chain again.
 PHASES = "roofline,chain:60,roofline,rest:20,chain:4"
 CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')  # in a compiled executable's HLO text
+CHAIN_COLORS = {False: "tab:blue", True: "tab:green"}  # plot_runs: the shipped chain, the host-launched one
 SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
@@ -358,7 +370,8 @@ def plot_runs(paths: list[str], png: str) -> None:
         for phase in run["phases"]:
             if "windows" in phase:
                 steps = [w["ms_per_step"] for w in phase["windows"]]
-                ax.plot(range(x, x + len(steps)), steps, "o", color="tab:blue", ms=4)
+                host = phase["phase"].endswith("nographs")  # the chain launched from the host
+                ax.plot(range(x, x + len(steps)), steps, "s" if host else "o", color=CHAIN_COLORS[host], ms=4)
                 x += len(steps)
             else:
                 ax.axvspan(x - 0.4, x + 0.4, color="0.88")
@@ -372,8 +385,8 @@ def plot_runs(paths: list[str], png: str) -> None:
         ax.set_xticks([])
         ax.set_ylabel("ms a step", fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("chain ms a step (blue), generations' ms a token (orange), other phases (grey); a panel a process",
-                 fontsize=10)  # fmt: skip
+    fig.suptitle("chain ms a step (blue; launched from the host: green squares), generations' ms a token (orange), "
+                 "other phases (grey); a panel a process", fontsize=10)  # fmt: skip
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))  # the title's line above the panels
     fig.savefig(png, dpi=90)
     print(f"plot: {png}")
