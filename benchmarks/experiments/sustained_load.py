@@ -75,8 +75,10 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   env holds CUDA_DEVICE_MAX_CONNECTIONS = 1, 32): with one hardware work queue or 32 the same: the chain 2.49-2.51
   -> 2.68 (1) and 2.51 -> 2.71-2.72 (32) after "gdn", the host-launched chain 2.71-2.80 -> 2.84-2.98, a generation
   2.67 ms a token. Not the cache preference, not the queues: the state costs the shipped chain 0.17-0.21 ms a step
-  and the host-launched one 0.04-0.18, its mechanism still unknown (next: a GPU timeline of one graph launch in each
-  state, nsys, where the device has it).
+  and the host-launched one 0.04-0.18, its mechanism still unknown. The per-call profiles of trigger1 ("stepprof")
+  show where: the step's kernels keep their durations while the stream's idle time between them grows from 52 us a
+  step to 230-935 us in the state (next: those gaps phase by phase; the device has Nsight Compute, not Nsight
+  Systems).
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
     P=chain:1,chain:1:1-nographs,gdn,chain:1,chain:1:1-nographs,cacheconfig:2,chain:1,cacheconfig:1,chain:1,cacheconfig:0,chain:1
