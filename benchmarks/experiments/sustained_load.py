@@ -77,8 +77,12 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   2.67 ms a token. Not the cache preference, not the queues: the state costs the shipped chain 0.17-0.21 ms a step
   and the host-launched one 0.04-0.18, its mechanism still unknown. The per-call profiles of trigger1 ("stepprof")
   show where: the step's kernels keep their durations while the stream's idle time between them grows from 52 us a
-  step to 230-935 us in the state (next: those gaps phase by phase; the device has Nsight Compute, not Nsight
-  Systems).
+  step to 230-935 us in the state; XLA runs command buffers thunk by thunk while a profiler is on, so the host's
+  launches fall behind the GPU there.
+- sustained_load_gaps_qwen35_h200.json (0db58eb, chain:1,stepprof,gdn,chain:1,stepprof): the same around one run of
+  the recurrence: kernels 2654.8 -> 2655.8 us a step, the idle between them 53 -> 1493 us, the chain 2.50 -> 2.73-2.77.
+  Next: XLA's command-buffer log (TF_CPP_VMODULE=command_buffer_thunk=3: evictions, re-recordings on new buffer
+  addresses) around the trigger.
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
     P=chain:1,chain:1:1-nographs,gdn,chain:1,chain:1:1-nographs,cacheconfig:2,chain:1,cacheconfig:1,chain:1,cacheconfig:0,chain:1
