@@ -29,6 +29,8 @@ reasons (`nvidia-smi`):
   updates), "cumexp" (its decays); "gemm[:MODE]": a bf16 dot;
   "stepprof": the decode step's kernels, profiled (`device_loop_profile.step_profiler`); "alloc:G": G GiB allocated
   and freed.
+- --xla-log LOG: the process's stderr (2> LOG), with TF_CPP_VMODULE=command_buffer_thunk=3: every phase's XLA
+  command-buffer log lines counted into the JSON (`command_buffer_events`; a marker line on stderr opens each phase).
 - A phase that compiles its own executables (genpart, prefill, attn, dqgemm, gdn, gemm) destroys them after it;
   "+KIND:ARG" keeps them alive until a "drop", which destroys them and every executable the Engine holds
   (`phase_drop`). The run of 6627ec2 named "+genpart:PART" "held:PART".
@@ -81,8 +83,10 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   launches fall behind the GPU there.
 - sustained_load_gaps_qwen35_h200.json (0db58eb, chain:1,stepprof,gdn,chain:1,stepprof): the same around one run of
   the recurrence: kernels 2654.8 -> 2655.8 us a step, the idle between them 53 -> 1493 us, the chain 2.50 -> 2.73-2.77.
-  Next: XLA's command-buffer log (TF_CPP_VMODULE=command_buffer_thunk=3: evictions, re-recordings on new buffer
-  addresses) around the trigger.
+  Next: XLA's command-buffer log around the trigger (--xla-log: evictions, warm-ups, re-recordings on new buffer
+  addresses, executions per phase), to see whether the state is a command buffer re-recorded on every call:
+    TF_CPP_VMODULE=command_buffer_thunk=3 python3 benchmarks/experiments/sustained_load.py --window-s 0.5 \
+        --phases chain:1,gdn,chain:1 --xla-log $OUT/xla.log --commit SHA --out ... 2> $OUT/xla.log
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
     P=chain:1,chain:1:1-nographs,gdn,chain:1,chain:1:1-nographs,cacheconfig:2,chain:1,cacheconfig:1,chain:1,cacheconfig:0,chain:1
@@ -139,6 +143,8 @@ from pallas_kernels.recurrent import CHUNK, chunk_gated_delta  # noqa: E402
 # hot, a rest, the chain again.
 PHASES = "roofline,chain:60,roofline,rest:20,chain:4"
 CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')  # in a compiled executable's HLO text
+PHASE_MARK = "sustained_load phase: "  # written to stderr before each phase (`command_buffer_events`)
+GLOG_PREFIX = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ \S+\] ")  # "I1204 18:00:00.123456  1234 file.cc:12] "
 CHAIN_COLORS = {False: "tab:blue", True: "tab:green"}  # plot_runs: the shipped chain, the host-launched one
 SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
@@ -359,6 +365,28 @@ def chunked_recurrence_once(cfg: ModelConfig, mode: str):
     return run
 
 
+def mark_phase(label: str) -> None:
+    """Write the phase's marker line to stderr, where XLA's log lines go, so `command_buffer_events` can tell the
+    phases apart."""
+    print(f"{PHASE_MARK}{label}", file=sys.stderr, flush=True)
+
+
+def command_buffer_events(log_path: str) -> list[dict]:
+    """[{"phase", "events"}] from a run's stderr (--xla-log): per phase, in order, the count of each distinct XLA log
+    line about command buffers, its glog prefix cut and its numbers blanked ("#"). With
+    TF_CPP_VMODULE=command_buffer_thunk=3 XLA logs its command buffers' evictions (whenever it builds a new one),
+    warm-up runs, recordings, updates (re-recorded when a buffer's address changed) and executions."""
+    phases: list[dict] = []
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            if line.startswith(PHASE_MARK):
+                phases.append({"phase": line[len(PHASE_MARK) :].strip(), "events": {}})
+            elif phases and "command buffer" in line.lower():
+                event = re.sub(r"\d+", "#", GLOG_PREFIX.sub("", line.strip()))[:160]
+                phases[-1]["events"][event] = phases[-1]["events"].get(event, 0) + 1
+    return phases
+
+
 def plot_runs(paths: list[str], png: str) -> None:
     """One panel per run JSON: each chain window's ms a step in phase order, the other phases as labelled columns
     (generations' ms a token inside theirs): the process-state bisection at a glance (benchmarks/plots/
@@ -557,12 +585,19 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=65)
     ap.add_argument("--phases", default=PHASES, help="what runs, in order (module docstring)")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: the tiny shrunk shape, short phases")
+    ap.add_argument(
+        "--xla-log",
+        metavar="LOG",
+        help="the file this process's stderr goes to (run it with TF_CPP_VMODULE=command_buffer_thunk=3 and 2> LOG): "
+        "each phase's XLA command-buffer events counted into the JSON (`command_buffer_events`)",
+    )
     opts = ap.parse_args()
     if opts.plot:
         return plot_runs(opts.runs, opts.plot)
     if not opts.out:
         ap.error("--out is required")
     t0 = time.perf_counter()
+    mark_phase("setup")
     cfg = model_config(opts.model, opts.quick)
     n = 9 if opts.quick else opts.new_tokens
     engine = Engine(random_int4_params(cfg, 0, True), cfg, max_len=opts.context + n + 16, k=1, prefill_chunk=128)
@@ -588,11 +623,15 @@ def main() -> None:
         kind = kind.removeprefix("+")
         if kind not in PHASE_RUNNERS:
             raise ValueError(f"unknown phase {phase!r}: one of {', '.join(PHASE_RUNNERS)}")
+        mark_phase(phase)
         result = PHASE_RUNNERS[kind](s, arg)
         out["phases"].append(
             {"phase": phase, "t_s": time.perf_counter() - t0} | result | gpu_sample() | context_sample()
         )
         print(f"  {out['phases'][-1]}", flush=True)
+    if opts.xla_log:
+        mark_phase("end")
+        out["command_buffer_events"] = command_buffer_events(opts.xla_log)
     save_experiment(out, opts.out, t0)
 
 
