@@ -106,14 +106,14 @@ class Context:
 
 def experiment_meta(commit: str, **fields) -> dict:
     """The meta block of an experiment's JSON (benchmarks/experiments/): the commit the caller names, the jax
-    version, the device, the date, the process's CUDA_* / XLA_* / NCCL_* environment, then the experiment's own
-    fields."""
+    version, the device, the date, the process's CUDA_* / XLA_* / NCCL_* / TF_CPP_* environment, then the
+    experiment's own fields."""
     return {
         "commit": commit,
         "jax": jax.__version__,
         "device": jax.devices()[0].device_kind,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("CUDA_", "XLA_", "NCCL_"))},
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("CUDA_", "XLA_", "NCCL_", "TF_CPP_"))},
         **fields,
     }
 
