@@ -58,6 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from xla_options import NO_GRAPHS  # noqa: E402
 
 from jspec import engine as engine_module  # noqa: E402
 from jspec.engine import Engine, compiler_options  # noqa: E402
@@ -70,11 +71,18 @@ from jspec_bench.timing import kernel_times, profile, stream_events  # noqa: E40
 from pallas_kernels import ROW_TILE  # noqa: E402
 
 SHIPPED = dict(engine_module.GPU_COMPILER_OPTIONS)
-NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}  # XLA forms no command buffer: the host launches every kernel
-VARIANTS = {
-    "shipped": SHIPPED,
-    "host_while": SHIPPED | {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"},
-}
+
+
+def without_command_buffers(*kinds: str) -> dict:
+    """The shipped options with the command-buffer kinds `kinds` (e.g. "WHILE") left out of
+    xla_gpu_enable_command_buffer: their ops run outside the graphs, launched from the host."""
+    shipped = SHIPPED["xla_gpu_enable_command_buffer"].split(",")
+    if unknown := set(kinds) - set(shipped):
+        raise ValueError(f"command-buffer kinds {sorted(unknown)} are not among the shipped {shipped}")
+    return SHIPPED | {"xla_gpu_enable_command_buffer": ",".join(k for k in shipped if k not in kinds)}
+
+
+VARIANTS = {"shipped": SHIPPED, "host_while": without_command_buffers("WHILE", "CONDITIONAL")}
 
 TOP_GAPS = 12  # the (kernel before, kernel after) pairs reported, by their idle time
 

@@ -124,7 +124,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/: 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from device_loop_profile import NO_GRAPHS, VARIANTS, chain_walls, generation_wall, step_profiler  # noqa: E402
+from device_loop_profile import (  # noqa: E402
+    VARIANTS,
+    chain_walls,
+    generation_wall,
+    step_profiler,
+    without_command_buffers,
+)
+from xla_options import NO_GRAPHS  # noqa: E402
 
 from jspec.config import ModelConfig  # noqa: E402
 from jspec.engine import Engine, compiler_options  # noqa: E402
@@ -247,8 +254,7 @@ PREFILL_MODES = {  # prefill:MODE -> the XLA options its executable compiles wit
     "compile": VARIANTS["shipped"],  # compiled, not run
     "host_while": VARIANTS["host_while"],  # no WHILE / CONDITIONAL command buffers: the host drives the loops
     "no_graphs": VARIANTS["shipped"] | NO_GRAPHS,
-    "no_blas_graphs": VARIANTS["shipped"]
-    | {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"},
+    "no_blas_graphs": without_command_buffers("CUBLAS", "CUBLASLT"),
 }
 
 
