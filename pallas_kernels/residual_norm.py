@@ -6,13 +6,11 @@ the product (the split-K partials summed into the add, then its Triton normaliza
 microseconds of launch-bound work on [16, H]. `add_rms_norm` does both in one kernel that reads the product's
 float32 partials itself: it sums them in the order `int4_matmul._combine` does, casts to the activation dtype,
 adds the residual row, and normalizes with the formula of `rms_norm`, writing the new residual stream and its
-normed rows. One program per row: it loads the row's partials block by block (all loads independent), keeps the
-new residual row in registers, sums its squares in a fixed order and writes both rows, so row r's bits depend on
-row r's inputs only (docs/design.md, rule 1), whatever the row count. (A program per (row, block of columns),
-each summing the whole row's squares again, took 4.7 us a call at the Qwen3.5 shape, where XLA's two take ~1.7
-and ~1.6.) The float32 sum of squares runs in another order than XLA's reduction, so the fused rows are not the
-bits of the unfused composition: `matmul.linear_add_norm` picks one or the other from the weight type and the
-backend alone, never from the row count.
+normed rows. One program per (row, block of columns): each program sums its row's squares over every column in a
+fixed order (the same in every program of the row) and writes its own block, so row r's bits depend on row r's
+inputs only (docs/design.md, rule 1), whatever the row count. The float32 sum of squares runs in another order than
+XLA's reduction, so the fused rows are not the bits of the unfused composition: `matmul.linear_add_norm` picks one
+or the other from the weight type and the backend alone, never from the row count.
 
 Triton-lowered: it runs on the GPU and, unchanged, in interpret mode on the CPU (tests/test_residual_norm.py).
 """
@@ -28,8 +26,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.int4_matmul import _combine
 
-MAX_BLOCK = 1024  # columns per load (a power of two, as Triton's blocks must be)
-NUM_WARPS = 8
+MAX_BLOCK = 512  # columns per program (a power of two, as Triton's blocks must be)
+NUM_WARPS = 4
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, plus_one: bool = False) -> jax.Array:
@@ -50,7 +48,7 @@ def scale_normed(normed: jax.Array, weight: jax.Array, dtype, plus_one: bool) ->
 
 
 def column_block(h: int) -> int:
-    """Columns per load for a hidden size h: the largest power of two dividing h, at most MAX_BLOCK."""
+    """Columns per program for a hidden size h: the largest power of two dividing h, at most MAX_BLOCK."""
     return min(h & -h, MAX_BLOCK)
 
 
@@ -78,11 +76,11 @@ def add_rms_norm(
         from jax.experimental.pallas import triton as pltriton
 
         params = pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
-    whole = [pl.BlockSpec(a.shape, lambda i, nd=a.ndim: (0,) * nd) for a in (x, parts, live[:, :h], weight)]
-    out = pl.BlockSpec(x.shape, lambda i: (0, 0))
+    whole = [pl.BlockSpec(a.shape, lambda i, j, nd=a.ndim: (0,) * nd) for a in (x, parts, live[:, :h], weight)]
+    out = pl.BlockSpec((None, block), lambda i, j: (i, j))
     return pl.pallas_call(
         kernel,
-        grid=(r,),
+        grid=(r, h // block),
         in_specs=whole,
         out_specs=[out, out],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2,
@@ -93,20 +91,23 @@ def add_rms_norm(
 
 
 def _kernel(x_ref, parts_ref, live_ref, w_ref, x_out, normed_out, *, live, block, eps, plus_one):
-    """Program r: row r's new residual stream block by block, its squares summed over all H columns (one float32
-    vector, then one reduction), then both output rows."""
-    r, h = pl.program_id(0), x_ref.shape[1]
-    rows = []
-    for at in range(0, h, block):
+    """Program (row r, column block c): the row's new residual stream, its squares summed over all H columns
+    block by block (one float32 vector, then one reduction), and block c of both outputs."""
+    r, c = pl.program_id(0), pl.program_id(1)
+    h = x_ref.shape[1]
+
+    def residual(at):
         cols = pl.ds(at, block)
         parts = [parts_ref[s, r, cols] for s in range(live.shape[0])]
-        y = _combine(parts, live, mask=lambda s, cols=cols: live_ref[s, cols] != 0)
-        rows.append(x_ref[r, cols] + y.astype(x_ref.dtype))
+        y = _combine(parts, live, mask=lambda s: live_ref[s, cols] != 0)
+        return x_ref[r, cols] + y.astype(x_ref.dtype)
+
     squares = jnp.zeros((block,), jnp.float32)
-    for row in rows:
-        squares = squares + jnp.square(row.astype(jnp.float32))
+    for at in range(0, h, block):
+        xf = residual(at).astype(jnp.float32)
+        squares = squares + xf * xf
     rstd = jax.lax.rsqrt(jnp.sum(squares) / h + eps)
-    for at, row in zip(range(0, h, block), rows, strict=True):
-        cols = pl.ds(at, block)
-        x_out[r, cols] = row
-        normed_out[r, cols] = scale_normed(row.astype(jnp.float32) * rstd, w_ref[cols], row.dtype, plus_one)
+    mine = residual(pl.multiple_of(c * block, block))
+    x_out[...] = mine
+    weight = w_ref[pl.ds(c * block, block)]
+    normed_out[...] = scale_normed(mine.astype(jnp.float32) * rstd, weight, mine.dtype, plus_one)
