@@ -8,10 +8,9 @@ from pallas_kernels.attention import attention
 from pallas_kernels.backend import ROW_TILE, get_backend, set_backend, use_backend
 from pallas_kernels.int4 import Int4Weight, dequantize, pack, quantize
 from pallas_kernels.int4_ws import Int4Codes
-from pallas_kernels.matmul import Int4Halves, linear, linear_add_norm, rows_matmul
+from pallas_kernels.matmul import Int4Halves, linear, rows_matmul
 from pallas_kernels.prefill_attention import chunk_attention
 from pallas_kernels.prepare import prepare_params, prepare_reference, prepare_ws, resolve_prepare
-from pallas_kernels.residual_norm import rms_norm
 
 __all__ = [
     "ROW_TILE",
@@ -23,14 +22,12 @@ __all__ = [
     "dequantize",
     "get_backend",
     "linear",
-    "linear_add_norm",
     "pack",
     "prepare_params",
     "prepare_reference",
     "prepare_ws",
     "quantize",
     "resolve_prepare",
-    "rms_norm",
     "rows_matmul",
     "set_backend",
     "use_backend",

@@ -124,19 +124,17 @@ def _check_config(cfg: Config, k: int, n: int, unit: int) -> int:
     return steps // cfg.split_k
 
 
-def _combine(parts, live=None, mask=None) -> jax.Array:
-    """[S, 16, N] float32 partials (an array, or a list of S arrays) -> [16, N], summed in the fixed order
-    0, 1, ..., S-1 (shapes independent of M).
+def _combine(parts: jax.Array, live=None) -> jax.Array:
+    """[S, 16, N] float32 partials -> [16, N], summed in the fixed order 0, 1, ..., S-1 (shapes independent of M).
 
     live: optional static numpy bool [S, N], which partials exist (slot 0 always); the others are never read
-    into the sum (they may hold garbage). mask(s): partial s's existence as the sum needs it (default live[s]; a
-    kernel passes the mask it loaded for its columns)."""
+    into the sum (they may hold garbage)."""
     y = parts[0]
-    for s in range(1, len(parts)):
+    for s in range(1, parts.shape[0]):
         if live is None or live[s].all():
             y = y + parts[s]
         else:
-            y = jnp.where(live[s] if mask is None else mask(s), y + parts[s], y)
+            y = jnp.where(live[s], y + parts[s], y)
     return y
 
 

@@ -253,16 +253,6 @@ def tiles_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) ->
     or one per tile), whose columns are the same dot products in the same k order as a tile alone, under the same
     partition (a function of the weight's shape and the config), so the weights are read once per launch instead of
     once per row tile."""
-    ys = [_combine(parts, live) for parts, live in launch_partials(x, w, config=config)]
-    y = first_rows(jnp.concatenate(ys) if len(ys) > 1 else ys[0], x.shape[0])
-    return y if y.shape[1] == w.n else y[:, : w.n]  # the padded columns off
-
-
-def launch_partials(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> list:
-    """The launches of `tiles_matmul` before their partials are summed: x [R, K] bfloat16, R padded with zero rows
-    to whole row tiles, -> per launch of up to `launch_tiles` tiles, in row order, (parts float32 [S, rows, N_pad],
-    live static bool [S, N_pad]): `int4_matmul._combine(parts, live)` is the launch's product (N_pad: the padded
-    weight's columns; `residual_norm.add_rms_norm` sums them itself)."""
     r, k = x.shape
     steps, n, _ = w.codes.shape
     k_stored = steps * TILE_K
@@ -274,12 +264,18 @@ def launch_partials(x: jax.Array, w: Int4Codes, *, config: Config | None = None)
     tiles = -(-r // ROW_TILE)
     xp = jnp.pad(x, ((0, tiles * ROW_TILE - r), (0, k_stored - k)))  # zero rows, zero k under the padded codes
     per = launch_tiles(cfg)
-    part = partition(k_stored, n, cfg)
-    live = np.repeat(np.arange(int(part.segments.max()))[:, None] < part.segments[None, :], cfg.tile_rows, axis=1)
-    return [
-        (_tile(xp[i * ROW_TILE : (i + per) * ROW_TILE], w.codes, w.scales, cfg=cfg, part=part), live)
-        for i in range(0, tiles, per)
-    ]
+    ys = [_product(xp[i * ROW_TILE : (i + per) * ROW_TILE], w, cfg) for i in range(0, tiles, per)]
+    y = first_rows(jnp.concatenate(ys) if len(ys) > 1 else ys[0], r)
+    return y if n == w.n else y[:, : w.n]  # the padded columns off
+
+
+def _product(xp: jax.Array, w: Int4Codes, cfg: Config) -> jax.Array:
+    """Padded x [T * ROW_TILE, K_stored] bf16 @ W -> float32 [T * ROW_TILE, N]: one launch, partials combined."""
+    steps, n, _ = w.codes.shape
+    part = partition(steps * TILE_K, n, cfg)
+    parts = _tile(xp, w.codes, w.scales, cfg=cfg, part=part)
+    live = np.repeat(np.arange(parts.shape[0])[:, None] < part.segments[None, :], cfg.tile_rows, axis=1)
+    return _combine(parts, live)
 
 
 MAX_LAUNCH_TILES = 4  # row tiles per launch: [wg_rows, 4 x 16] float32 of accumulator per consumer warpgroup

@@ -31,7 +31,6 @@ import jax.numpy as jnp
 from pallas_kernels import backend as _backend
 from pallas_kernels.int4 import Int4Weight, dequantize_halves
 from pallas_kernels.int4_ws import Int4Codes, to_int4_weight
-from pallas_kernels.residual_norm import add_rms_norm, rms_norm
 
 
 @jax.tree_util.register_dataclass
@@ -100,70 +99,14 @@ def _row_tiles_under(name: str):
             raise ValueError("linear: the weight is batched under vmap; the row-tile path batches rows, never weights")
         if not x_batched:
             return row_tiles(x, w), False
-        y = tiles_matmul(_flat_rows(x), w)
-        return y.reshape(*x.shape[:2], y.shape[-1]), True
+        b, m, k = x.shape
+        flat = x.reshape(b * m, k)
+        if b * m > _backend.ROW_TILE:  # the tiles slice a materialized array: XLA fuses none with x's producer
+            flat = jax.lax.optimization_barrier(flat)  # (rule 7)
+        y = tiles_matmul(flat, w)
+        return y.reshape(b, m, y.shape[-1]), True
 
     return row_tiles
-
-
-def _flat_rows(x: jax.Array) -> jax.Array:
-    """A batch's rows x [B, M, C] -> [B * M, C] for the row tiles. Past one tile the tiles slice a materialized
-    array: XLA fuses none with x's producer (rule 7)."""
-    b, m, c = x.shape
-    flat = x.reshape(b * m, c)
-    return jax.lax.optimization_barrier(flat) if b * m > _backend.ROW_TILE else flat
-
-
-def linear_add_norm(
-    x: jax.Array, h: jax.Array, w: Weight, bias: jax.Array | None, norm_weight: jax.Array, *, eps: float, plus_one: bool
-) -> tuple[jax.Array, jax.Array]:
-    """A pre-norm layer's residual add of a product and the RMSNorm after it: x [M, N] (the residual stream),
-    h [M, K] -> (x + linear(h, w, bias), `rms_norm` of that with norm_weight [N]), both [M, N] in x.dtype.
-
-    Rows M <= ROW_TILE on `Int4Codes` with the "pallas" backend, without a bias: the product's launches
-    (`int4_ws.launch_partials`) and one `residual_norm.add_rms_norm` kernel on their partials, one launch where
-    XLA makes two. Otherwise that composition. The choice depends on the weight, the bias and the backend only,
-    never on M, so decode and verify rows agree bit for bit (rule 1); under `jax.vmap` (a batch) all sequences'
-    rows run in the same tiles, as in `linear` (rule 9)."""
-    if bias is None and isinstance(w, Int4Codes) and h.shape[0] <= _backend.ROW_TILE:
-        if _backend.get_backend() == "pallas":
-            return _add_norm_rows(eps, plus_one)(x, h, w, norm_weight)
-    x = x + linear(h, w, bias)
-    return x, rms_norm(x, norm_weight, eps, plus_one=plus_one)
-
-
-@functools.cache
-def _add_norm_rows(eps: float, plus_one: bool):
-    """`linear_add_norm`'s fused path for one norm convention, a custom_vmap function (as `_row_tiles_under`)."""
-
-    def fused(x, h, w, norm_weight):
-        from pallas_kernels import int4_ws
-
-        m = h.shape[0]
-        xp = jnp.pad(x, ((0, -m % _backend.ROW_TILE), (0, 0)))
-        outs, at = [], 0
-        for parts, live in int4_ws.launch_partials(h, w):
-            rows = parts.shape[1]
-            outs.append(add_rms_norm(xp[at : at + rows], parts, live, norm_weight, eps=eps, plus_one=plus_one))
-            at += rows
-        joined = (jnp.concatenate(o) if len(o) > 1 else o[0] for o in zip(*outs, strict=True))
-        return tuple(_backend.first_rows(y, m) for y in joined)
-
-    add_norm_rows = jax.custom_batching.custom_vmap(fused)
-
-    @add_norm_rows.def_vmap
-    def _(axis_size: int, in_batched, x, h, w, norm_weight):
-        x_batched, h_batched, w_batched, norm_batched = in_batched
-        if any(jax.tree.leaves(w_batched)) or norm_batched:
-            raise ValueError("linear_add_norm: a weight is batched under vmap; the row-tile path batches rows only")
-        if not (x_batched or h_batched):
-            return add_norm_rows(x, h, w, norm_weight), (False, False)
-        x = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-        h = h if h_batched else jnp.broadcast_to(h, (axis_size, *h.shape))
-        out = add_norm_rows(_flat_rows(x), _flat_rows(h), w, norm_weight)
-        return tuple(o.reshape(x.shape) for o in out), (True, True)
-
-    return add_norm_rows
 
 
 def tiles_matmul(x: jax.Array, w: Weight) -> jax.Array:

@@ -1,5 +1,5 @@
-"""Issue 36's baseline: the MLP half of a decoder layer as the decode and verify steps ran it at 5ce2252
-(`mlp_half`: residual add, RMSNorm, gate_up, SwiGLU, down, residual add) on the 16-row tile both
+"""Issue 36's baseline: the MLP half of a decoder layer as the decode and verify steps run it today
+(`jspec.models.dense.mlp_half`: residual add, RMSNorm, gate_up, SwiGLU, down, residual add) on the 16-row tile both
 steps share, at the Llama-3-8B and Qwen2.5-14B shapes with random int4 weights (prepared for the Mosaic GPU kernel
 on the GPU, as `jspec.Engine` does). Per half-layer: GPU kernel time (XLA profiler) with the int4 launches and the
 XLA fusions apart, launches, HBM bytes (its two weights and its norm), the fraction of the read roofline measured
@@ -34,20 +34,13 @@ import numpy as np  # noqa: E402
 from int4_matmul_bench import roofline  # noqa: E402
 
 from jspec.exactness import bits  # noqa: E402
-from jspec.models.layers import norm, swiglu  # noqa: E402
+from jspec.models.dense import mlp_half  # noqa: E402
 from jspec_bench.shapes import model_config, random_int4_params, tree_nbytes  # noqa: E402
 from jspec_bench.timing import _median_wall, kernel_times, profile  # noqa: E402
 from pallas_kernels import ROW_TILE, get_backend, linear, quantize  # noqa: E402
 from pallas_kernels.prepare import prepare_ws  # noqa: E402
 
 MLP_WEIGHTS = ("post_attn_norm", "gate_up", "down")
-
-
-def mlp_half(p: dict, cfg, x, out):
-    """The MLP half as the steps ran it at 5ce2252 (the residual add, the RMSNorm, gate_up, SwiGLU, down, the
-    residual add; each add and norm an XLA fusion of its own): the baseline the persistent kernel was judged on."""
-    x = x + out
-    return x + linear(swiglu(p, norm(x, p["post_attn_norm"], cfg)), p["down"])
 
 
 def half_layers(cfg):

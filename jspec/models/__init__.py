@@ -6,8 +6,7 @@ prefill_chunk(params, cfg, tokens [C], cache, start, n_valid) -> (hidden [C, H],
     one prompt chunk at positions start..start+C-1, the first n_valid rows real (flash attention)
 step(params, cfg, tokens [ROW_TILE], cache, start, slot, rows) -> (hidden [ROW_TILE, H], cache)
     one row tile at start, `rows` valid (static), recurrent layers from candidate `slot` (row-exact kernels)
-attention_layer(p, cfg, x, normed, positions, cache, run, next_norm) -> (x, normed, cache)
-    one attention decoder layer (MTP): the residual stream x, its input-normed rows, and x under next_norm after it
+attention_layer(p, cfg, x, positions, cache, run) -> (x, cache)             one attention decoder layer (MTP)
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ from jspec.models.layers import (
     Run,
     apply_rope,
     embed_tokens,
-    layer_stack,
-    residual_norm,
-    swiglu,
+    rms_norm,
+    row_parallel_linear,
+    swiglu_mlp,
 )
 from pallas_kernels import attention, chunk_attention, linear
 
@@ -79,15 +79,23 @@ def write_rows(cache: jax.Array, rows: jax.Array, start) -> jax.Array:
     return cache.at[index].set(rows.astype(cache.dtype), mode="drop", indices_are_sorted=True, unique_indices=True)
 
 
-def layer(p: dict, cfg: ModelConfig, x: jax.Array, normed: jax.Array, positions: jax.Array, cache, run: Run, next_norm):
-    """One decoder layer on the residual stream x [T, H] and its input-normed rows normed [T, H] (see
-    `cached_attention` for cache and run) -> (x, x normed by next_norm [H] for what follows: the next layer's input
-    norm or the final norm, cache)."""
-    h, cache = attend(p, cfg, normed, positions, cache, run)
-    post = p.get("post_self_attn_norm"), p.get("post_mlp_norm")  # GLM-4's (cfg.post_norms)
-    x, normed = residual_norm(x, h, p["o"], p.get("o_bias"), p["post_attn_norm"], cfg, post[0])
-    x, normed = residual_norm(x, swiglu(p, normed), p["down"], p.get("down_bias"), next_norm, cfg, post[1])
-    return x, normed, cache
+def layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache, run: Run):
+    """One decoder layer on the residual stream x [T, H] (see `cached_attention` for cache and run)."""
+    h, cache = attend(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), positions, cache, run)
+    out = row_parallel_linear(h, p["o"], p.get("o_bias"), cfg)
+    if cfg.post_norms:
+        out = rms_norm(out, p["post_self_attn_norm"], cfg.rms_norm_eps)
+    return mlp_half(p, cfg, x, out), cache
+
+
+def mlp_half(p: dict, cfg: ModelConfig, x: jax.Array, out: jax.Array) -> jax.Array:
+    """The second half of `layer`: the residual stream x [T, H] plus the attention sub-block's out [T, H], then
+    RMSNorm, the SwiGLU MLP and the second residual add -> x [T, H]."""
+    x = x + out
+    h = swiglu_mlp(p, rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps), cfg)
+    if cfg.post_norms:
+        h = rms_norm(h, p["post_mlp_norm"], cfg.rms_norm_eps)
+    return x + h
 
 
 attention_layer = layer  # the family's attention decoder layer (used by the MTP head, jspec.models.mtp)
@@ -96,12 +104,13 @@ attention_layer = layer  # the family's attention decoder layer (used by the MTP
 def _layers(params: dict, cfg: ModelConfig, tokens: jax.Array, cache, run: Run):
     """Embed tokens [T] at run.positions(T), every layer, final norm -> (hidden [T, H], cache)."""
     positions = run.positions(tokens.shape[0])
-
-    def run_layer(i, p, x, normed, next_norm):
-        return layer(p, cfg, x, normed, positions, None if cache is None else cache[i], run, next_norm)
-
-    normed, new_cache = layer_stack(params, cfg, embed_tokens(params, cfg, tokens), run_layer)
-    return normed, None if cache is None else new_cache
+    x = embed_tokens(params, cfg, tokens)
+    new_cache = []
+    for i, p in enumerate(params["layers"]):
+        x, layer_cache = layer(p, cfg, x, positions, None if cache is None else cache[i], run)
+        new_cache.append(layer_cache)
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return x, None if cache is None else tuple(new_cache)
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:

@@ -33,12 +33,11 @@ from jspec.models.layers import (
     Run,
     apply_rope,
     embed_tokens,
-    layer_stack,
-    norm,
-    residual_norm,
-    swiglu,
+    rms_norm,
+    row_parallel_linear,
+    swiglu_mlp,
 )
-from pallas_kernels import ROW_TILE, linear, rms_norm
+from pallas_kernels import ROW_TILE, linear
 from pallas_kernels.recurrent import (
     causal_conv,
     chunk_gated_delta,
@@ -53,6 +52,10 @@ from pallas_kernels.recurrent import (
 FULL, LINEAR = "full_attention", "linear_attention"
 
 
+def _norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
+    return rms_norm(x, weight, cfg.rms_norm_eps, plus_one=True)
+
+
 def _dims(cfg: ModelConfig) -> tuple[int, int, int]:
     """(Kd, Vd, conv channels) of a Gated DeltaNet layer."""
     key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
@@ -60,11 +63,8 @@ def _dims(cfg: ModelConfig) -> tuple[int, int, int]:
     return key_dim, value_dim, 2 * key_dim + value_dim
 
 
-def _mixer_and_mlp(p: dict, cfg: ModelConfig, x: jax.Array, mixed: jax.Array, w, bias, next_norm) -> tuple:
-    """The end of a layer: the token mixer's output mixed [T, D] projected by w (+ bias) into the residual stream
-    x [T, H], then the MLP -> (x, x normed by next_norm)."""
-    x, normed = residual_norm(x, mixed, w, bias, p["post_attn_norm"], cfg)
-    return residual_norm(x, swiglu(p, normed), p["down"], p.get("down_bias"), next_norm, cfg)
+def _mlp_block(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    return x + swiglu_mlp(p, _norm(x, p["post_attn_norm"], cfg), cfg)
 
 
 def init_cache(cfg: ModelConfig, length: int, dtype) -> tuple:
@@ -94,20 +94,18 @@ def with_committed_state(layer: dict, state: dict) -> dict:
     return dict(conv=conv, ssm=layer["ssm"].at[0].set(state["ssm"]))
 
 
-def attention_layer(
-    p: dict, cfg: ModelConfig, x: jax.Array, normed: jax.Array, positions: jax.Array, cache, run: Run, next_norm
-):
-    """Gated-attention decoder layer (+ MLP) on the residual stream x [T, H] and its input-normed rows normed ->
-    (x, x normed by next_norm, cache); cache and run as in `jspec.models.dense.cached_attention`."""
+def attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache, run: Run):
+    """Gated-attention decoder layer (+ MLP) on the residual stream x [T, H] -> (x, cache); cache and run as in
+    `jspec.models.dense.cached_attention`."""
     t, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qkv = linear(normed, p["qkv"], p.get("qkv_bias"))
+    qkv = linear(_norm(x, p["input_norm"], cfg), p["qkv"], p.get("qkv_bias"))
     q_gate, k, v = jnp.split(qkv, [2 * cfg.q_size, 2 * cfg.q_size + cfg.kv_size], axis=-1)
     q, gate = jnp.split(q_gate.reshape(t, hq, 2 * d), 2, axis=-1)
-    q = apply_rope(norm(q, p["q_norm"], cfg), positions, cfg)
-    k = apply_rope(norm(k.reshape(t, hkv, d), p["k_norm"], cfg), positions, cfg)
+    q = apply_rope(_norm(q, p["q_norm"], cfg), positions, cfg)
+    k = apply_rope(_norm(k.reshape(t, hkv, d), p["k_norm"], cfg), positions, cfg)
     out, cache = cached_attention(cfg, q, k, v.reshape(t, hkv, d), cache, run)
     out = out.reshape(t, cfg.q_size) * jax.nn.sigmoid(gate.reshape(t, cfg.q_size))
-    return *_mixer_and_mlp(p, cfg, x, out, p["o"], p.get("o_bias"), next_norm), cache
+    return _mlp_block(p, cfg, x + row_parallel_linear(out, p["o"], p.get("o_bias"), cfg)), cache
 
 
 def _gated_norm(x: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -116,8 +114,7 @@ def _gated_norm(x: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> ja
 
 
 def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, run: Run):
-    """Gated DeltaNet token mixer on normed h [T, H] -> (its gated-normed output [T, Vd], before the out
-    projection; cache).
+    """Gated DeltaNet token mixer on normed h [T, H] -> ([T, H], cache).
 
     forward: from a zero state, no cache. prefill: from the committed state (candidate slot 0; zero before the
     first chunk), the rows from run.n_valid on masked (g = 0, beta = 0 leave the state alone), the state after the
@@ -167,28 +164,29 @@ def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, run: Run):
             conv_cache = jax.lax.dynamic_update_slice_in_dim(cache["conv"], window, 0, axis=0)
             cache = dict(conv=conv_cache, ssm=cache["ssm"].at[0].set(state))
     out = _gated_norm(out.astype(dtype), z.reshape(t, nv, dv), p["gdn_norm"], cfg.rms_norm_eps)
-    return out.reshape(t, value_dim), cache
+    return row_parallel_linear(out.reshape(t, value_dim), p["out"], None, cfg), cache
 
 
-def linear_attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, normed: jax.Array, cache, run: Run, next_norm):
-    """Gated DeltaNet decoder layer (+ MLP) on the residual stream x [T, H] and its input-normed rows normed ->
-    (x, x normed by next_norm, cache)."""
-    out, cache = gated_deltanet(p, cfg, normed, cache, run)
-    return *_mixer_and_mlp(p, cfg, x, out, p["out"], None, next_norm), cache
+def linear_attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, cache, run: Run):
+    """Gated DeltaNet decoder layer (+ MLP) on the residual stream x [T, H] -> (x, cache)."""
+    out, cache = gated_deltanet(p, cfg, _norm(x, p["input_norm"], cfg), cache, run)
+    return _mlp_block(p, cfg, x + out), cache
 
 
 def _layers(params: dict, cfg: ModelConfig, tokens: jax.Array, cache, run: Run):
     """Embed tokens [T] at run.positions(T), every layer, final norm -> (hidden [T, H], cache)."""
     positions = run.positions(tokens.shape[0])
-
-    def run_layer(i, p, x, normed, next_norm):
+    x = embed_tokens(params, cfg, tokens)
+    new_cache = []
+    for i, (kind, p) in enumerate(zip(cfg.layer_types, params["layers"], strict=True)):
         layer_cache = None if cache is None else cache[i]
-        if cfg.layer_types[i] == FULL:
-            return attention_layer(p, cfg, x, normed, positions, layer_cache, run, next_norm)
-        return linear_attention_layer(p, cfg, x, normed, layer_cache, run, next_norm)
-
-    normed, new_cache = layer_stack(params, cfg, embed_tokens(params, cfg, tokens), run_layer)
-    return normed, None if cache is None else new_cache
+        if kind == FULL:
+            x, layer_cache = attention_layer(p, cfg, x, positions, layer_cache, run)
+        else:
+            x, layer_cache = linear_attention_layer(p, cfg, x, layer_cache, run)
+        new_cache.append(layer_cache)
+    x = _norm(x, params["final_norm"], cfg)
+    return x, None if cache is None else tuple(new_cache)
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:

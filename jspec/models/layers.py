@@ -1,7 +1,6 @@
-"""Building blocks shared by the model families: how a pass meets the cache (`Run`), the residual add and the
-RMSNorm after it, rotary embedding, SwiGLU, logits, and the embedding and row-parallel products that meet the other
-shards of a tensor-parallel model (cfg.tensor_parallel > 1, inside `jax.shard_map` over the mesh axis TP_AXIS:
-jspec.tensor_parallel)."""
+"""Building blocks shared by the model families: how a pass meets the cache (`Run`), RMSNorm, rotary embedding,
+SwiGLU, logits, and the embedding and row-parallel products that meet the other shards of a tensor-parallel model
+(cfg.tensor_parallel > 1, inside `jax.shard_map` over the mesh axis TP_AXIS: jspec.tensor_parallel)."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.config import TP_AXIS, ModelConfig, RopeConfig
-from pallas_kernels import linear, linear_add_norm, rms_norm
+from pallas_kernels import linear
 
 FORWARD, PREFILL, STEP = "forward", "prefill", "step"
 
@@ -55,18 +54,17 @@ class Run:
         return self.start + jnp.arange(t, dtype=jnp.int32)
 
 
-def layer_stack(params: dict, cfg: ModelConfig, x: jax.Array, run_layer) -> tuple[jax.Array, tuple]:
-    """The residual stream x [T, H] (the embedded tokens) through every layer of params["layers"]:
-    run_layer(i, p, x, normed, next_norm) -> (x, normed, cache) gets x under layer i's input norm and returns it
-    under next_norm, the next layer's input norm (the final norm after the last layer), so every residual add meets
-    the norm after it (`residual_norm`) -> (final-normed hidden [T, H], the layers' caches)."""
-    layers = params["layers"]
-    norms = [p["input_norm"] for p in layers] + [params["final_norm"]]
-    normed, caches = norm(x, norms[0], cfg), []
-    for i, p in enumerate(layers):
-        x, normed, cache = run_layer(i, p, x, normed, norms[i + 1])
-        caches.append(cache)
-    return normed, tuple(caches)
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, plus_one: bool = False) -> jax.Array:
+    """x [..., H] -> same shape/dtype. Statistics in float32 (as HuggingFace).
+
+    plus_one=False: weight * normalize(x).astype(x.dtype)         (Llama / Qwen2 / GLM-4)
+    plus_one=True:  (normalize(x) * (1 + weight)).astype(x.dtype)  (Qwen3-Next / Qwen3.5), in float32
+    """
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    return weight * normed.astype(x.dtype)
 
 
 def inv_frequencies(rope: RopeConfig, rotary_dim: int) -> np.ndarray:
@@ -109,33 +107,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Arra
     return jnp.concatenate([rotated, x_pass], axis=-1) if rot < x.shape[-1] else rotated
 
 
-def swiglu(p: dict, x: jax.Array) -> jax.Array:
-    """silu(gate(x)) * up(x) [T, I] with the fused gate_up weight [H, 2I] ([gate | up] along N): the SwiGLU MLP
-    before its down projection (`residual_norm` takes that)."""
+def swiglu_mlp(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """down(silu(gate(x)) * up(x)) with the fused gate_up weight [H, 2I] ([gate | up] along N)."""
     gate_up = linear(x, p["gate_up"], p.get("gate_up_bias"))
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    return jax.nn.silu(gate) * up
-
-
-def norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """The family's RMSNorm of x [..., H]: (1 + w) where cfg.norm_plus_one (Qwen3-Next / Qwen3.5), else w."""
-    return rms_norm(x, weight, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one)
-
-
-def residual_norm(
-    x: jax.Array, h: jax.Array, w, bias, norm_weight: jax.Array, cfg: ModelConfig, post_norm: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """A sub-block's end in a pre-norm layer: the residual stream x [T, H] plus the row-parallel product h @ w
-    (+ bias; GLM-4 normalizes it with post_norm first), and that sum normalized by norm_weight for the next block
-    (cfg.norm_plus_one picks the convention) -> (x, normed), both [T, H]. Single-shard without a post norm this is
-    `linear_add_norm` (the add and the norm in one kernel after an int4 product on the GPU)."""
-    if post_norm is None and cfg.tensor_parallel == 1:
-        return linear_add_norm(x, h, w, bias, norm_weight, eps=cfg.rms_norm_eps, plus_one=cfg.norm_plus_one)
-    out = row_parallel_linear(h, w, bias, cfg)
-    if post_norm is not None:
-        out = norm(out, post_norm, cfg)
-    x = x + out
-    return x, norm(x, norm_weight, cfg)
+    return row_parallel_linear(jax.nn.silu(gate) * up, p["down"], p.get("down_bias"), cfg)
 
 
 def row_parallel_linear(x: jax.Array, w, bias: jax.Array | None, cfg: ModelConfig) -> jax.Array:

@@ -41,11 +41,15 @@ import jax.numpy as jnp
 
 from jspec.config import ModelConfig
 from jspec.models import family_module
-from jspec.models.layers import Run, embed_tokens, norm
+from jspec.models.layers import Run, embed_tokens, rms_norm
 from jspec.models.layers import logits as logits_from_hidden
 from pallas_kernels import linear
 
 MTP_LAYOUTS = ("qwen3_next", "deepseek")
+
+
+def _norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
+    return rms_norm(x, weight, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one)
 
 
 def mtp_layer(params: dict, cfg: ModelConfig, hidden, tokens, cache, run: Run, layer_index: int = 0):
@@ -58,11 +62,10 @@ def mtp_layer(params: dict, cfg: ModelConfig, hidden, tokens, cache, run: Run, l
     if not 0 <= layer_index < len(heads):
         raise ValueError(f"MTP layer {layer_index} requested but params carry {len(heads)} MTP layer(s)")
     p = heads[layer_index]
-    embedded = norm(embed_tokens(params, cfg, tokens).astype(hidden.dtype), p["embed_norm"], cfg)
-    x = linear(jnp.concatenate([embedded, norm(hidden, p["hidden_norm"], cfg)], axis=-1), p["fc"])
-    layer, positions = p["layer"], run.positions(x.shape[0])
-    normed = norm(x, layer["input_norm"], cfg)
-    x, normed, cache = family_module(cfg).attention_layer(layer, cfg, x, normed, positions, cache, run, p["final_norm"])
+    embedded = _norm(embed_tokens(params, cfg, tokens).astype(hidden.dtype), p["embed_norm"], cfg)
+    x = linear(jnp.concatenate([embedded, _norm(hidden, p["hidden_norm"], cfg)], axis=-1), p["fc"])
+    x, cache = family_module(cfg).attention_layer(p["layer"], cfg, x, run.positions(x.shape[0]), cache, run)
+    normed = _norm(x, p["final_norm"], cfg)
     return (x if cfg.mtp_layout == "deepseek" else normed), normed, cache
 
 
