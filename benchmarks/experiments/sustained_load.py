@@ -29,7 +29,8 @@ reasons (`nvidia-smi`):
   updates), "cumexp" (its decays); "gemm[:MODE]": a bf16 dot;
   "stepprof": the decode step's kernels, profiled (`device_loop_profile.step_profiler`); "alloc:G": G GiB allocated
   and freed.
-- --xla-log LOG: the process's stderr (2> LOG), with TF_CPP_VMODULE=command_buffer_thunk=3: every phase's XLA
+- --xla-log LOG: the process's stderr (2> LOG), with TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3
+  (without the first, jax 0.11 logs none of them): every phase's XLA
   command-buffer log lines counted into the JSON (`command_buffer_events`; a marker line on stderr opens each phase).
 - A phase that compiles its own executables (genpart, prefill, attn, dqgemm, gdn, gemm) destroys them after it;
   "+KIND:ARG" keeps them alive until a "drop", which destroys them and every executable the Engine holds
@@ -83,10 +84,19 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   launches fall behind the GPU there.
 - sustained_load_gaps_qwen35_h200.json (0db58eb, chain:1,stepprof,gdn,chain:1,stepprof): the same around one run of
   the recurrence: kernels 2654.8 -> 2655.8 us a step, the idle between them 53 -> 1493 us, the chain 2.50 -> 2.73-2.77.
-  Next: XLA's command-buffer log around the trigger (--xla-log: evictions, warm-ups, re-recordings on new buffer
-  addresses, executions per phase), to see whether the state is a command buffer re-recorded on every call:
-    TF_CPP_VMODULE=command_buffer_thunk=3 python3 benchmarks/experiments/sustained_load.py --window-s 0.5 \
-        --phases chain:1,gdn,chain:1 --xla-log $OUT/xla.log --commit SHA --out ... 2> $OUT/xla.log
+- sustained_load_xla_log_qwen35_h200.json and its .log, XLA's command-buffer log (180296b, chain:1,gdn,chain:1):
+  not a command buffer rebuilt on every call. The chain's (3 commands: its while loop) is recorded once before the
+  recurrence and runs 12 calls without an update (2.52 ms a step); the recurrence's executable evicts it as its own
+  6 are built; the next chain call runs a warm-up iteration and records the same 3 commands again (7.5 ms; the
+  first time 8.0), and every later call runs it without an update, at 2.71 ms a step.
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_cmd=2 python3 \
+        benchmarks/experiments/sustained_load.py --window-s 0.5 --phases chain:1,gdn,chain:1 --xla-log $OUT/xla.log \
+        --commit SHA --out ... 2> $OUT/xla.log
+- residual_norm_ab_{rows,unfused,blocks}_qwen35_h200.json (b1bfe2b, 180296b, 65aa4be; chain:2,stepprof,generate:2,
+  each a fresh process, the first two in one machine start, the old tree from `git archive`): a kernel of our own
+  for the residual add and the RMSNorm after it (docs/performance.md; since reverted) against XLA's two fusions:
+  the chain 2.52-2.54 / 2.51-2.52 / 2.58-2.59 ms a step, the step's kernels 2716 / 2669 / 2743 us in 389 / 451 /
+  389 launches, a generation's token 2.689 / 2.670-2.694 / 2.703-2.733 ms.
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
     P=chain:1,chain:1:1-nographs,gdn,chain:1,chain:1:1-nographs,cacheconfig:2,chain:1,cacheconfig:1,chain:1,cacheconfig:0,chain:1
@@ -379,7 +389,7 @@ def mark_phase(label: str) -> None:
 
 def command_buffer_events(log_path: str) -> list[dict]:
     """[{"phase", "events"}] from a run's stderr (--xla-log): per phase, in order, the count of each distinct XLA log
-    line about command buffers, its glog prefix cut and its numbers blanked ("#"). With
+    line about command buffers, its glog prefix cut and its numbers blanked ("#"). With TF_CPP_MIN_LOG_LEVEL=0
     TF_CPP_VMODULE=command_buffer_thunk=3 XLA logs its command buffers' evictions (whenever it builds a new one),
     warm-up runs, recordings, updates (re-recorded when a buffer's address changed) and executions."""
     phases: list[dict] = []
@@ -594,8 +604,9 @@ def main() -> None:
     ap.add_argument(
         "--xla-log",
         metavar="LOG",
-        help="the file this process's stderr goes to (run it with TF_CPP_VMODULE=command_buffer_thunk=3 and 2> LOG): "
-        "each phase's XLA command-buffer events counted into the JSON (`command_buffer_events`)",
+        help="the file this process's stderr goes to (run it with TF_CPP_MIN_LOG_LEVEL=0 "
+        "TF_CPP_VMODULE=command_buffer_thunk=3 and 2> LOG): each phase's XLA command-buffer events counted into "
+        "the JSON (`command_buffer_events`)",
     )
     opts = ap.parse_args()
     if opts.plot:
