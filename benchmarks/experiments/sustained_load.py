@@ -30,8 +30,8 @@ reasons (`nvidia-smi`):
   "stepprof": the decode step's kernels, profiled (`device_loop_profile.step_profiler`); "alloc:G": G GiB allocated
   and freed.
 - --xla-log LOG: the process's stderr (2> LOG), with TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3
-  (without the first, jax 0.11 logs none of them): every phase's XLA
-  command-buffer log lines counted into the JSON (`command_buffer_events`; a marker line on stderr opens each phase).
+  (without the first, jax 0.11 logs none of them): every phase's XLA command-buffer log lines counted into the
+  JSON (`command_buffer_events`; a marker line on stderr opens each phase).
 - A phase that compiles its own executables (genpart, prefill, attn, dqgemm, gdn, gemm) destroys them after it;
   "+KIND:ARG" keeps them alive until a "drop", which destroys them and every executable the Engine holds
   (`phase_drop`). The run of 6627ec2 named "+genpart:PART" "held:PART".
