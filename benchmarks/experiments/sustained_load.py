@@ -26,13 +26,14 @@ reasons (`nvidia-smi`):
   shape; "gdn[:MODE]": the chunked recurrence (`chunk_gated_delta`) over a 128-position chunk at the model's linear
   heads, compiled with a prefill MODE's options, or one part of it alone: "trsm" (its triangular solve), "einsum" /
   "einsum_default" (its float32 q k^T products, HIGHEST / default precision), "scan" (its chunk loop's state
-  updates), "cumexp" (its decays); "gemm[:MODE]": a bf16 dot;
+  updates), "cumexp" (its decays), "parts" (those four, one executable each, one after another); "kernels:N": N
+  small executables of one elementwise kernel each (N distinct kernels loaded); "gemm[:MODE]": a bf16 dot;
   "stepprof": the decode step's kernels, profiled (`device_loop_profile.step_profiler`); "alloc:G": G GiB allocated
   and freed.
 - --xla-log LOG: the process's stderr (2> LOG), with TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3
   (without the first, jax 0.11 logs none of them): every phase's XLA command-buffer log lines counted into the
   JSON (`command_buffer_events`; a marker line on stderr opens each phase).
-- A phase that compiles its own executables (genpart, prefill, attn, dqgemm, gdn, gemm) destroys them after it;
+- A phase that compiles its own executables (genpart, prefill, attn, dqgemm, gdn, gemm, kernels) destroys them after it;
   "+KIND:ARG" keeps them alive until a "drop", which destroys them and every executable the Engine holds
   (`phase_drop`). The run of 6627ec2 named "+genpart:PART" "held:PART".
 
@@ -375,10 +376,23 @@ def chunked_recurrence_once(cfg: ModelConfig, mode: str):
         args = (jnp.zeros((h, dk, dv), jnp.float32), blocks)
     elif mode == "cumexp":  # its decays: cumsum and exp over [h, n, C]
         fn, args = (lambda g: jnp.exp(jnp.cumsum(g, axis=-1))), (jnp.full((h, n, CHUNK), -0.1, jnp.float32),)
+    elif mode == "parts":  # every part above, each its own executable: the parts' kernels without their sequence
+        return [chunked_recurrence_once(cfg, part) for part in ("trsm", "einsum", "scan", "cumexp")]
     options = compiler_options() and PREFILL_MODES[mode if mode in PREFILL_MODES else "shipped"]
     run = jax.jit(fn).lower(*args).compile(options)
     jax.block_until_ready(run(*args))
     return run
+
+
+def distinct_kernels_once(n: int) -> list:
+    """n executables of one small elementwise kernel each (a vector of its own length, so no two share a kernel),
+    compiled as shipped and run once: n more kernels loaded into the context. Their executables."""
+    runs = []
+    for i in range(n):
+        x = jnp.ones((4096 + 32 * i,), jnp.float32)
+        runs.append(jax.jit(lambda x, i=i: jnp.sin(x) * (i + 2.0)).lower(x).compile(compiler_options()))
+        runs[-1](x).block_until_ready()
+    return runs
 
 
 def mark_phase(label: str) -> None:
@@ -581,6 +595,7 @@ PHASE_RUNNERS = {  # kind -> runner(session, the phase's argument) -> what the p
     "dqgemm": timed(lambda s, _: prefill_products_once(s.engine.params)),
     "gdn": timed(lambda s, mode: chunked_recurrence_once(s.cfg, mode)),
     "gemm": timed(lambda s, mode: gemm_once(mode)),
+    "kernels": timed(lambda s, n: distinct_kernels_once(int(n))),
     "stepprof": phase_stepprof,
     "alloc": phase_alloc,
     "stack": phase_context("stack"),
