@@ -162,13 +162,15 @@ def auto_mesh(mesh: Mesh) -> Mesh:
 
 
 def stack(pieces, mesh: Mesh):
-    """n trees of the same structure, tree s on any device -> one tree whose every leaf is [n, ...] sharded over
-    the mesh, piece s moved to device s (never gathered on one device)."""
+    """n trees of the same structure, tree s on the host or any device -> one tree whose every leaf is [n, ...]
+    sharded over the mesh, piece s moved to device s (never gathered on one device; a device array moves device to
+    device, not through the host)."""
     devices = list(mesh.devices.reshape(-1))
     sharding = NamedSharding(auto_mesh(mesh), SHARDED)
 
     def leaf(*xs):
-        blocks = [jax.device_put(np.asarray(x)[None], d) for x, d in zip(xs, devices, strict=True)]
+        arrays = (x if isinstance(x, jax.Array) else np.asarray(x) for x in xs)
+        blocks = [jax.device_put(x, d)[None] for x, d in zip(arrays, devices, strict=True)]
         return jax.make_array_from_single_device_arrays((len(xs), *np.shape(xs[0])), sharding, blocks)
 
     return jax.tree.map(leaf, *pieces)

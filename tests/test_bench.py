@@ -33,7 +33,9 @@ def test_quick_run_passes_and_records_the_run(quick):
     meta = data["meta"]
     assert meta["mode"] == "quick" and meta["jax"] == jax.__version__ and meta["kernel_backend"] == "reference"
     assert meta["commit"] and meta["device"] and meta["elapsed_s"] > 0
-    assert {name: s["status"] for name, s in data["sections"].items()} == dict.fromkeys(sections.SECTIONS, "done")
+    statuses = {name: s["status"] for name, s in data["sections"].items()}
+    assert statuses == dict.fromkeys(sections.SECTIONS, "done") | {"tp": "skipped"}  # tp: one device here
+    assert data["sections"]["tp"]["reason"] == "1 device: tensor parallelism needs 2 or more (issue 38)"
     assert data["identity"]["ok"] and data["identity"]["checks"] > 10 and not data["identity"]["failures"]
     roof = data["sections"]["roofline"]
     assert roof["roofline_Bps"] == max(roof["xla_sum_Bps"], roof["torch_sum_Bps"]) > 0
@@ -139,7 +141,7 @@ def test_quick_peer_targets_plots_and_table(quick, capsys):
         assert v["greedy_tok_s"] > 0 and v["lookup_tok_s"] > 0 and isinstance(v["lookup_equals_greedy"], bool)
         assert isinstance(v["greedy_static_equals_dynamic"], bool)
     targets = {t["name"]: t for t in data["targets"]}
-    assert len(targets) == 15 and all(t["met"] is None for t in targets.values())  # a quick run claims nothing
+    assert len(targets) == 16 and all(t["met"] is None for t in targets.values())  # a quick run claims nothing
     sampler = targets["the sampler costs < 3% of a decode step (llama-3-8b)"]
     assert sampler["value"] is not None  # the costliest processor's share of the decode step
     assert data["sections"]["sampling"]["rows"] == {"decode": 1, "verify": 8}  # k + 1 rows in a verify

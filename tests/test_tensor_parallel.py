@@ -1,7 +1,8 @@
 """Tensor parallelism on a simulated CPU mesh (docs/design.md, "Tensor parallelism"), for a dense (qwen2) and a
 hybrid (qwen3_5) family: verify rows == decode rows (bits) at TP = 1, 2, 4; speculative == greedy (prompt lookup,
 MTP) at TP = 2, 4 (at TP = 1 each device runs the unsharded program, whose speculative == greedy the rest of the
-suite checks); load_hf placement; bad input. What TP = n gives against TP = 1 is recorded, not required.
+suite checks); load_hf placement; bad input; `jspec bench`'s tp section (the GPU run of issue 38) end to end. What
+TP = n gives against TP = 1 is recorded, not required.
 
 The mesh needs 4 devices: `test_on_a_simulated_4_device_mesh` runs this file in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=4 (the suite's own processes keep their one CPU device), where the
@@ -266,3 +267,29 @@ def test_a_mesh_without_the_tp_axis_or_stacked_for_another_raises(tmp_path):
     for mesh in (None, _mesh(4)):
         with pytest.raises(ValueError, match=r"params are stacked for a tensor-parallel mesh"):
             jspec.Engine(stacked, cfg, max_len=MAX_LEN, mesh=mesh)
+
+
+@mesh_only
+def test_the_tp_bench_section_measures_tp_1_and_2(tmp_path):
+    """`jspec bench --sections tp` (issue 38's GPU run) on the simulated mesh, quick shapes, the Qwen2.5-14B plan (TP =
+    1 and 2): every figure recorded, verify rows == decode rows, prompt lookup == greedy with verify rounds, the
+    scaling and its target (not evaluated: a quick run claims nothing)."""
+    import jspec_bench
+
+    out = tmp_path / "tp.json"
+    assert jspec_bench.main(["--quick", "--sections", "tp", "--models", "qwen2.5-14b", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    sec = data["sections"]["tp"]
+    for n in (1, 2):
+        m = sec["models"][f"qwen2.5-14b tp={n}"]
+        assert m["status"] == "done", m
+        assert m["verify"]["bitwise_equal_decode"] and m["verify"]["k"] == 7
+        lookup = m["end_to_end"]["lookup k=7"]
+        assert lookup["identical"] and not lookup["vacuous"]
+        assert m["decode"]["bytes"]["total"] > 0 and len(m["roofline_Bps_per_device"]) == n
+        assert m["collectives"]["per_step"] == {"all_reduce": 2 * m["config"]["num_layers"] + 1, "all_gather": 1}
+        assert all(s > 0 for s in m["collectives"]["seconds_each"].values())
+    ratio = sec["scaling"]["qwen2.5-14b"]["tp=2 / tp=1"]
+    (target,) = [t for t in data["targets"] if t["name"].startswith("tensor parallel")]
+    assert target["value"] == ratio and target["met"] is None
+    assert sec["nccl_env"]["NCCL_NVLS_ENABLE"] == "0"

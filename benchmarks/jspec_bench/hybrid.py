@@ -30,7 +30,6 @@ import functools
 import gc
 import json
 import os
-import statistics
 import time
 
 import jax
@@ -45,7 +44,7 @@ from jspec_bench.e2e import E2E_COMPILE_WEIGHT, echo_prompt, random_filler
 from jspec_bench.report import Context
 from jspec_bench.shapes import HYBRID_MODELS, model_config, scale_attention_output
 from jspec_bench.steps import _load_model, _steps_for_models
-from jspec_bench.timing import kernel_times, profile, run_parallel
+from jspec_bench.timing import device_decode_rate, kernel_times, profile, run_parallel
 from pallas_kernels import ROW_TILE
 from pallas_kernels.recurrent import gdn_rows
 
@@ -189,30 +188,6 @@ def _recurrent_line(r: dict) -> str:
     return f"alone: {fit(r)}{step}; rows bit-identical {r['rows_bit_identical']}"
 
 
-def _device_decode_rate(engine: Engine, prompt, n: int, repeats: int, **kwargs) -> tuple[list[int], dict]:
-    """(tokens, decode rates) of an on-device generation of n tokens: warm, then the wall of n tokens minus that of
-    1 (the prefill and the first token cancel), median of `repeats`."""
-    engine.generate(prompt, n, eos_id=(), on_device=True, **kwargs)  # warm: compile
-
-    def wall(tokens: int):
-        t0 = time.perf_counter()
-        result = engine.generate(prompt, tokens, eos_id=(), on_device=True, **kwargs)
-        return time.perf_counter() - t0, result
-
-    decode_s = statistics.median(wall(n)[0] - wall(1)[0] for _ in range(repeats))
-    _, result = wall(n)
-    s = result.stats
-    rounds = s.decode_steps + s.verify_steps
-    return result.tokens, {
-        "decode_tok_s": (len(result.tokens) - 1) / decode_s,
-        "ms_per_token": 1e3 * decode_s / (len(result.tokens) - 1),
-        "ms_per_round": 1e3 * decode_s / max(rounds, 1),
-        "mean_accepted": s.mean_accepted,
-        "verify_steps": s.verify_steps,
-        "decode_steps": s.decode_steps,
-    }
-
-
 def predicted_speedup(k: int, round_vs_decode: float) -> dict:
     """{category: speedup} of MTP k over greedy at the demo-hybrid's measured mean_accepted (tokens a round) and
     this round's cost: mean_accepted / round_vs_decode; with the acceptance file and commit it comes from."""
@@ -297,14 +272,14 @@ def end_to_end(ctx: Context, e2e: dict, name: str, params: dict, cfg, ks: tuple[
         )
         ctx.report.save()
         plain = engines[configs["greedy"][0]]
-        greedy, e2e["greedy"] = _device_decode_rate(plain, filler, n, repeats)
+        greedy, e2e["greedy"] = device_decode_rate(plain, filler, n, repeats)
         echo = echo_prompt(p, greedy, None, rng, cfg.vocab_size, length)
-        want, e2e["greedy_echo"] = _device_decode_rate(plain, echo, n, repeats)
+        want, e2e["greedy_echo"] = device_decode_rate(plain, echo, n, repeats)
         for label, (k, drafter) in configs.items():
             if label == "greedy":
                 continue
             prompt, expected = (echo, want) if label.startswith("lookup") else (filler, greedy)
-            tokens, r = _device_decode_rate(engines[k], prompt, n, repeats, drafter=drafter)
+            tokens, r = device_decode_rate(engines[k], prompt, n, repeats, drafter=drafter)
             r["identical"] = ctx.report.check_identity(tokens == expected, f"hybrid/{label}: tokens != greedy")
             r["speedup"] = r["decode_tok_s"] / (e2e["greedy_echo" if prompt is echo else "greedy"]["decode_tok_s"])
             if label.startswith("mtp"):

@@ -25,6 +25,10 @@ starts (and before each model or sub-step), and whatever is skipped is recorded 
                recurrent kernel's fixed cost, and on the on-device loop greedy, prompt lookup and MTP, tokens compared.
   tp_shard     one shard of a TP = 2 layout of each step model (jspec_bench.tp_shard) timed alone on one GPU, its
                collectives counted and sized, the TP step predicted at assumed collective latencies.
+  tp           tensor parallelism on the devices of the host (jspec_bench.tp; 2 or more): Qwen2.5-14B at TP = 1, 2
+               and Llama-3-70B at TP = 2, 4: decode and verify(k = 7) on the mesh against the aggregate roofline,
+               the collectives alone and in the profile, verify rows == decode rows, greedy and prompt lookup
+               end to end (tokens compared), the scaling of the decode step with TP.
 A section is a function `section(ctx: Context, sec: dict)` that fills `sec`, its dict in the results JSON; adding one
 is one line in `REGISTRY`, which `--sections` (its choices and default order) and `main` read."""
 
@@ -43,6 +47,7 @@ from jspec_bench.report import Context
 from jspec_bench.roofline import section_roofline
 from jspec_bench.sampling import section_sampling
 from jspec_bench.steps import section_other_steps, section_steps
+from jspec_bench.tp import section_tp
 from jspec_bench.tp_shard import section_tp_shard
 
 
@@ -63,6 +68,7 @@ REGISTRY: dict[str, Section] = {  # in priority order
     "batch": Section(section_batch, 60.0),
     "hybrid": Section(section_hybrid, 120.0),
     "tp_shard": Section(section_tp_shard, 60.0),
+    "tp": Section(section_tp, 120.0),
 }
 SECTIONS = tuple(REGISTRY)
 SECTION_FUNCS = {name: s.run for name, s in REGISTRY.items()}

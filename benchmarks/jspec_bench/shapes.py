@@ -116,6 +116,19 @@ SHAPES: dict[str, dict] = {
         max_position_embeddings=131072,
         tie_word_embeddings=True,
     ),
+    "llama-3-70b": dict(  # the tp section's (issue 38: TP = 2 and 4)
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    ),
     "qwen3.5": QWEN3_5_TEXT,
     "hybrid-27b": dict(  # a 27B-class Qwen3.5-style hybrid typed in here (no published config copied): hidden 5120,
         # 64 layers 3:1, 24 query / 4 KV heads of 256, 16 key / 48 value linear heads of 128; 26.9B parameters
@@ -141,7 +154,8 @@ TINY_HYBRID = dict(  # a hybrid shrunk: one 3:1 group of layers, small linear he
 STEP_MODELS = ("qwen2.5-14b", "llama-3-8b")
 OTHER_MODELS = ("qwen2.5-7b", "glm-4-9b", "demo")
 HYBRID_MODELS = ("qwen3.5", "hybrid-27b")
-ALL_MODELS = STEP_MODELS + OTHER_MODELS + HYBRID_MODELS
+TP_MODELS = ("llama-3-70b",)  # besides qwen2.5-14b, the tp section's (jspec_bench.tp.TP_PLAN)
+ALL_MODELS = STEP_MODELS + OTHER_MODELS + HYBRID_MODELS + TP_MODELS
 
 
 def hf_config_dict(name: str, quick: bool) -> dict:

@@ -138,6 +138,14 @@ def evaluate_targets(data: dict) -> list[dict]:
             + f"; alone in the engine identical: {r['identical']}",
         )
     _hybrid_targets(secs.get("hybrid", {}).get("models", {}), add)
+    scaling = secs.get("tp", {}).get("scaling", {}).get("qwen2.5-14b", {}).get("tp=2 / tp=1")
+    add(
+        "tensor parallel: TP=2 decode step <= 0.6x TP=1 (Qwen2.5-14B shape)",
+        TARGETS["tp2_over_tp1_14b"],
+        scaling,
+        None if scaling is None else scaling <= TARGETS["tp2_over_tp1_14b"],
+        "not measured (needs 2 GPUs)" if scaling is None else "both on the mesh path, in one run",
+    )
     recompiles = e2e.get("compiles_after_warmup")
     add(
         "zero recompiles after warm-up (e2e engines)",

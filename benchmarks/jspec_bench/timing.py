@@ -107,6 +107,30 @@ def _median_wall(fn: Callable, repeats: int) -> float:
     return statistics.median(times)
 
 
+def device_decode_rate(engine, prompt, n: int, repeats: int, **kwargs) -> tuple[list[int], dict]:
+    """(tokens, decode rates) of an Engine's on-device generation of n tokens: warm, then the wall of n tokens minus
+    that of 1 (the prefill and the first token cancel), median of `repeats`."""
+    engine.generate(prompt, n, eos_id=(), on_device=True, **kwargs)  # warm: compile
+
+    def wall(tokens: int):
+        t0 = time.perf_counter()
+        result = engine.generate(prompt, tokens, eos_id=(), on_device=True, **kwargs)
+        return time.perf_counter() - t0, result
+
+    decode_s = statistics.median(wall(n)[0] - wall(1)[0] for _ in range(repeats))
+    _, result = wall(n)
+    s = result.stats
+    rounds = s.decode_steps + s.verify_steps
+    return result.tokens, {
+        "decode_tok_s": (len(result.tokens) - 1) / decode_s,
+        "ms_per_token": 1e3 * decode_s / (len(result.tokens) - 1),
+        "ms_per_round": 1e3 * decode_s / max(rounds, 1),
+        "mean_accepted": s.mean_accepted,
+        "verify_steps": s.verify_steps,
+        "decode_steps": s.decode_steps,
+    }
+
+
 def torch_median(fn: Callable, repeats: int, device: str = "cuda", warmup: int = 1) -> float:
     """Median seconds of fn() on the torch device (CUDA events on a GPU), after `warmup` calls.
 
@@ -137,6 +161,7 @@ KERNEL_GROUPS = (
     # those the batch executables vmap the attention split kernel alone (int4_ws batches rows by custom_vmap)
     ("attention", ("jspec_attention", "batched_body")),
     ("recurrent", ("jspec_gdn",)),
+    ("collectives", ("nccl",)),  # a tensor-parallel step's all-reduces and all-gather (NCCL's kernels)
 )
 TOP_KERNELS = 24  # the costliest kernels a profile names (`kernel_times`' top_kernels_us)
 
