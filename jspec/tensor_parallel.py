@@ -170,7 +170,7 @@ def stack(pieces, mesh: Mesh):
 
     def leaf(*xs):
         arrays = (x if isinstance(x, jax.Array) else np.asarray(x) for x in xs)
-        blocks = [jax.device_put(x, d)[None] for x, d in zip(arrays, devices, strict=True)]
+        blocks = [jax.device_put(x[None], d) for x, d in zip(arrays, devices, strict=True)]
         return jax.make_array_from_single_device_arrays((len(xs), *np.shape(xs[0])), sharding, blocks)
 
     return jax.tree.map(leaf, *pieces)
