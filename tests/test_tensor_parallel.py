@@ -277,7 +277,9 @@ def test_the_tp_bench_section_measures_tp_1_and_2(tmp_path):
     import jspec_bench
 
     out = tmp_path / "tp.json"
-    assert jspec_bench.main(["--quick", "--sections", "tp", "--models", "qwen2.5-14b", "--out", str(out)]) == 0
+    argv = ["--quick", "--sections", "tp", "--models", "qwen2.5-14b", "--out", str(out), "--plots", str(tmp_path)]
+    assert jspec_bench.main(argv) == 0
+    assert (tmp_path / "tp.png").stat().st_size > 0
     data = json.loads(out.read_text())
     sec = data["sections"]["tp"]
     for n in (1, 2):

@@ -1,6 +1,7 @@
 """The plots of a results JSON (`make_plots`, matplotlib): roofline.png (each step kind's read bandwidth as % of the
 roofline), step_time.png (GPU runs: where a decode step's time goes, by kernel group), speedup.png (speculative
-speedup against mean_accepted, with verify's break-even) and batch.png (batched decode tokens/s against B)."""
+speedup against mean_accepted, with verify's break-even), batch.png (batched decode tokens/s against B) and tp.png
+(tensor-parallel steps against the TP size)."""
 
 from __future__ import annotations
 
@@ -110,11 +111,52 @@ def _plot_batch(plt, batch: dict, path: Path) -> bool:
     return True
 
 
+def _plot_tp(plt, tp: dict, path: Path) -> bool:
+    """Per model of the tp section, its steps (ms) against the TP size: decode and verify, the roofline time of the
+    decode step's bytes on the aggregate roofline of its GPUs, the collectives of a step priced alone, and for the
+    Qwen2.5-14B shape the TP = 2 target (0.6x its TP = 1 step). False without a measured model."""
+    done: dict[str, dict[int, dict]] = {}
+    for label, m in tp.get("models", {}).items():
+        if m.get("status") == "done":
+            name, n = label.rsplit(" tp=", 1)
+            done.setdefault(name, {})[int(n)] = m
+    if not done:
+        return False
+    fig, axes = plt.subplots(1, len(done), figsize=(5 * len(done), 4), squeeze=False)
+    for ax, (name, by_n) in zip(axes[0], done.items(), strict=True):
+        ns = sorted(by_n)
+        runs = [by_n[n] for n in ns]
+        k = runs[0]["verify"]["k"]
+        ax.plot(ns, [1e3 * m["decode"]["time_s"] for m in runs], "o-", color="C0", label="decode step")
+        ax.plot(ns, [1e3 * m["verify"]["time_s"] for m in runs], "s-", color="C1", label=f"verify step (k = {k})")
+        roof = [1e3 * m["decode"]["bytes"]["total"] / m["roofline_Bps"] for m in runs]
+        ax.plot(ns, roof, ":", color="gray", label="decode's bytes at the GPUs' summed roofline")
+        collectives = [1e3 * m["collectives"]["step_s"] for m in runs]
+        ax.plot(ns, collectives, "^--", color="C2", label="a step's collectives alone")
+        if name == "qwen2.5-14b" and 1 in by_n:
+            target = 1e3 * TARGETS["tp2_over_tp1_14b"] * by_n[1]["decode"]["time_s"]
+            ax.plot(2, target, "rx", ms=9, mew=2, label="target: TP = 2 decode <= 0.6x TP = 1")
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("TP size (GPUs)")
+        ax.set_ylabel("ms a step")
+        exact = all(m["verify"]["bitwise_equal_decode"] for m in runs)
+        ax.set_title(
+            f"{name}, tensor parallel\nverify rows {'==' if exact else 'DIFFER from'} decode rows", fontsize=10
+        )
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def make_plots(data: dict, out_dir: str) -> list[str]:
     """roofline.png: each step kind's achieved read bandwidth as % of the roofline, per model (step time on the bar);
     step_time.png (GPU runs): where each model's decode step time goes (`_plot_step_time`);
     speedup.png: speculative speedup against mean_accepted, with verify(k)'s break-even mean_accepted;
-    batch.png: batched decode tokens/s against the batch size (`_plot_batch`)."""
+    batch.png: batched decode tokens/s against the batch size (`_plot_batch`);
+    tp.png: the tensor-parallel steps against the TP size (`_plot_tp`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -190,4 +232,6 @@ def make_plots(data: dict, out_dir: str) -> list[str]:
         plt.close(fig)
     if _plot_batch(plt, data["sections"].get("batch", {}), out / "batch.png"):
         files.append(str(out / "batch.png"))
+    if _plot_tp(plt, data["sections"].get("tp", {}), out / "tp.png"):
+        files.append(str(out / "tp.png"))
     return files
