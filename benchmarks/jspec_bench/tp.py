@@ -50,6 +50,7 @@ from jspec.tensor_parallel import (
     stack,
 )
 from jspec_bench.e2e import echo_prompt, random_filler
+from jspec_bench.hybrid import E2E_PREFILL_CHUNK
 from jspec_bench.report import Context
 from jspec_bench.roofline import _xla_sum_Bps
 from jspec_bench.shapes import copy_tree, hf_config_dict, random_int4_params, scale_attention_output, step_bytes
@@ -208,11 +209,15 @@ def end_to_end(ctx: Context, name: str, n: int, cfg: ModelConfig, mesh, pieces: 
     repeats, new = (1, 8) if opts.quick else (opts.repeats, opts.new_tokens)
     length = 2 * opts.prompt_len + new
     scaled = stack([scale_attention_output(p, opts.o_factor) for p in pieces], mesh)
-    engine = Engine(scaled, cfg, max_len=length + new + 16, k=TP_K, mesh=mesh, prepare=opts.prepare_arg)
+    max_len = length + new + 16
+    engine = Engine(
+        scaled, cfg, max_len=max_len, k=TP_K, mesh=mesh, prepare=opts.prepare_arg, prefill_chunk=E2E_PREFILL_CHUNK
+    )
     del scaled
     rng = np.random.default_rng(opts.seed + 29)
     p, filler = random_filler(rng, cfg.vocab_size, opts.prompt_len, new, length)
     out = dict(new_tokens=new, prompt_len=length, o_factor=opts.o_factor, loop="on device")
+    out["prefill_chunk"] = E2E_PREFILL_CHUNK
     greedy, out["greedy"] = device_decode_rate(engine, filler, new, repeats)
     echo = echo_prompt(p, greedy, None, rng, cfg.vocab_size, length)
     want, out["greedy_echo"] = device_decode_rate(engine, echo, new, repeats)
