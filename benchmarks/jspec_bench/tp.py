@@ -251,7 +251,7 @@ def section_tp(ctx: Context, sec: dict) -> None:
                     "reason": f"needs {n} devices, this process has {available}",
                 }
                 continue
-            why = ctx.budget.why_not(6 * ctx.estimator.estimate(cfg.num_layers), f"{label}")
+            why = ctx.budget.why_not(6 * ctx.estimator.estimate(cfg.num_layers), label)
             if why:
                 sec["models"][label] = {"status": "skipped", "reason": why}
                 continue
