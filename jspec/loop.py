@@ -250,8 +250,25 @@ def prefill_round(
     sampler=None,
     own=None,
 ) -> Loop:
-    """The whole prefill on device: `start_loop`, every chunk (`jspec.steps.run_chunks`: full chunks, then the rest
-    in the smallest shape that holds it), `first_round` -> the Loop the rounds continue."""
+    """The whole prefill on device: `prefilled_loop`, then `first_round` -> the Loop the rounds continue."""
+    loop = prefilled_loop(params, cfg, settings, prompt, length, max_new, eos_ids, sampler, own)
+    return first_round(params, cfg, settings, loop, own)
+
+
+def prefilled_loop(
+    params: dict,
+    cfg: ModelConfig,
+    settings: LoopSettings,
+    prompt: jax.Array,
+    length,
+    max_new,
+    eos_ids,
+    sampler=None,
+    own=None,
+) -> Loop:
+    """`start_loop`, then every prompt chunk on device (`jspec.steps.run_chunks`: full chunks, then the rest in the
+    smallest shape that holds it, each followed by the drafter's prefill) -> the Loop `first_round` takes (what the
+    host loop's `prefill_rounds` calls leave)."""
     loop = start_loop(params, cfg, settings, prompt, length, max_new, eos_ids, sampler, own)
     loop, end = run_chunks(
         params,
@@ -264,7 +281,7 @@ def prefill_round(
         state_of=lambda lp: lp.state,
         put=lambda lp, st: dataclasses.replace(lp, state=st),
     )
-    return first_round(params, cfg, settings, dataclasses.replace(loop, prefilled=end), own)
+    return dataclasses.replace(loop, prefilled=end)
 
 
 def _sample_rows(settings: LoopSettings, loop: Loop, rows: jax.Array, row_tokens: jax.Array) -> jax.Array:

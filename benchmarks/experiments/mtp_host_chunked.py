@@ -17,8 +17,9 @@ culprit.
 
 Variants (the Engine's executables compiled with):
 - shipped: `jspec.compiler_options()`;
-- no_while: command buffers without WHILE / CONDITIONAL (the loops driven from the host);
-- no_graphs: no command buffers at all;
+- no_while: command buffers without WHILE / CONDITIONAL (the loops driven from the host;
+  `device_loop_profile.without_command_buffers`);
+- no_graphs: no command buffers at all (`xla_options.NO_GRAPHS`);
 - no_donation: the shipped options, the Loop not donated between executables.
 
     python3 benchmarks/experiments/mtp_host_chunked.py --commit SHA --out $OUT/mtp_host_chunked_h200.json
@@ -36,24 +37,26 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repo root
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/: device_loop_profile, xla_options
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from device_loop_profile import SHIPPED, without_command_buffers  # noqa: E402
 from gpu_exactness import E2E_VOCAB, model  # noqa: E402
+from xla_options import NO_GRAPHS  # noqa: E402
 
 import jspec  # noqa: E402
 import jspec.engine  # noqa: E402
 from jspec.engine import compiler_options, prefill_plan  # noqa: E402
-from jspec.loop import prefill_round, run_chunks, run_rounds, start_loop  # noqa: E402
+from jspec.loop import prefill_round, prefilled_loop, run_rounds  # noqa: E402
 from jspec.models.mtp import init_mtp_params  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
 
-SHIPPED = dict(jspec.engine.GPU_COMPILER_OPTIONS)
 VARIANTS = {
     "shipped": SHIPPED,
-    "no_while": dict(SHIPPED, xla_gpu_enable_command_buffer="FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"),
-    "no_graphs": dict(SHIPPED, xla_gpu_enable_command_buffer=""),
+    "no_while": without_command_buffers("WHILE", "CONDITIONAL"),
+    "no_graphs": SHIPPED | NO_GRAPHS,
     "no_donation": SHIPPED,
 }
 
@@ -114,57 +117,39 @@ def stages(engine, settings, prompt: list[int], max_new: int, rounds: int) -> li
     request = engine.request(prompt, max_new, ())
     weights = engine._checked_weights(settings)
     args = (weights, *request.loop_args(engine.max_len))
-    params, own, cfg = weights[0], weights[1], engine.shard_cfg
-    options = compiler_options()
+    cfg, options = engine.shard_cfg, compiler_options()
 
-    def ref_prefill(weights, prompt, length, max_new, eos):
-        loop = start_loop(weights[0], cfg, settings, prompt, length, max_new, eos, None, weights[1])
-        after = jspec.loop._drafter_prefill(weights[0], cfg, settings, weights[1])
-        put = lambda lp, st: dataclasses.replace(lp, state=st)  # noqa: E731
-        loop, end = run_chunks(
-            weights[0],
-            cfg,
-            loop,
-            loop.prefilled,
-            loop.prompt_len,
-            settings.prefill_chunk,
-            after,
-            lambda lp: lp.state,
-            put,
-        )
-        return dataclasses.replace(loop, prefilled=end)
+    def ref_prefill(weights, *request):
+        return prefilled_loop(weights[0], cfg, settings, *request, None, weights[1])
 
-    def ref_first(weights, prompt, length, max_new, eos):
-        return prefill_round(weights[0], cfg, settings, prompt, length, max_new, eos, None, weights[1])
+    def ref_first(weights, *request):
+        return prefill_round(weights[0], cfg, settings, *request, None, weights[1])
 
     def ref_rounds(weights, loop, verify):
         return run_rounds(weights[0], cfg, settings, loop, jnp.int32(1), verify=verify, own=weights[1])
 
-    jit = lambda f, **kw: jax.jit(f, **kw).lower  # noqa: E731
-    ref_prefill_exec = jit(ref_prefill)(*args).compile(compiler_options=options)
-    ref_first_exec = jit(ref_first)(*args).compile(compiler_options=options)
+    ref_rounds = jax.jit(ref_rounds, static_argnums=2, compiler_options=options)
     start_exec = engine._start_exec(settings, weights)
     shape = start_exec.out_info
     out = []
     loop = start_exec(*args)
     for size, count in prefill_plan(len(prompt), settings.prefill_chunk):
         loop = engine._loop_exec(f"prefill{size}", settings, weights, shape)(weights, loop, np.int32(count))
-    host = jax.device_get(loop)
-    out.append(dict(stage="prefill", differ=compare(host, jax.device_get(ref_prefill_exec(*args)))))
+    ref = jax.jit(ref_prefill, compiler_options=options)(*args)
+    out.append(dict(stage="prefill", differ=compare(jax.device_get(loop), jax.device_get(ref))))
     loop = engine._loop_exec("first", settings, weights, shape)(weights, loop)
-    host, ref = jax.device_get(loop), ref_first_exec(*args)
+    host, ref = jax.device_get(loop), jax.jit(ref_first, compiler_options=options)(*args)
     out.append(dict(stage="first", differ=compare(host, jax.device_get(ref))))
     for i in range(rounds):
         verify = bool(host.use_verify)
         if host.stop != 0:
             break
         loop = engine._loop_exec("verify" if verify else "decode", settings, weights, shape)(weights, loop, np.int32(1))
-        ref = jax.jit(ref_rounds, static_argnums=2)(weights, jax.device_put(host), verify)
+        ref = ref_rounds(weights, jax.device_put(host), verify)
         host = jax.device_get(loop)
         out.append(
             dict(stage=f"round {i} ({'verify' if verify else 'decode'})", differ=compare(host, jax.device_get(ref)))
         )
-    del params, own
     return out
 
 
