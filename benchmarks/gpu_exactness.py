@@ -24,6 +24,7 @@ from jspec.config import ModelConfig, RopeConfig  # noqa: E402
 from jspec.exactness import verify_rows_match_decode  # noqa: E402
 from jspec.models import dense, hybrid, quantize_linears  # noqa: E402
 from jspec.models.mtp import init_mtp_params  # noqa: E402
+from jspec.stats import common_prefix  # noqa: E402
 from jspec_bench.shapes import scale_attention_output  # noqa: E402
 from pallas_kernels import get_backend  # noqa: E402
 from pallas_kernels.prepare import prepare_params, resolve_prepare  # noqa: E402
@@ -164,11 +165,16 @@ def main() -> int:
                 *((f"{m}_sampled", dict(kw, sampler=SAMPLER)) for m, kw in ungated.items()),
             ]:
                 r = engine.generate(echo, 96, eos_id=(), **kw)
+                expected = sampled if "sampler" in kw else greedy
                 e2e[name] = dict(
-                    identical=r.tokens == (sampled if "sampler" in kw else greedy),
+                    identical=r.tokens == expected,
                     verify_steps=r.stats.verify_steps,
                     mean_accepted=r.stats.mean_accepted,
                     vacuous=kw.get("drafter") is not None and r.stats.verify_steps == 0,
+                    # where a run leaves the reference and how it ended: what to read first when it is not identical
+                    first_difference=None if r.tokens == expected else common_prefix(r.tokens, expected),
+                    n_tokens=len(r.tokens),
+                    stop_reason=r.stats.stop_reason,
                 )
                 print(f"  {family} {kind}: {name} {e2e[name]} at {time.perf_counter() - t0:.0f} s", flush=True)
         ok = step_ok and all(v["identical"] and not v["vacuous"] for v in e2e.values())

@@ -1,8 +1,9 @@
 """Tensor parallelism on a simulated CPU mesh (docs/design.md, "Tensor parallelism"), for a dense (qwen2) and a
 hybrid (qwen3_5) family: verify rows == decode rows (bits) at TP = 1, 2, 4; speculative == greedy (prompt lookup,
-MTP) at TP = 2, 4 (at TP = 1 each device runs the unsharded program, whose speculative == greedy the rest of the
-suite checks); load_hf placement; bad input; `jspec bench`'s tp section (the GPU run of issue 38) end to end. What
-TP = n gives against TP = 1 is recorded, not required.
+MTP) at TP = 2, 4, and on the host loop after a chunked prefill, greedy and sampled (at TP = 1 each device runs the
+unsharded program, whose speculative == greedy the rest of the suite checks); load_hf placement; bad input; `jspec
+bench`'s tp section (the GPU run of issue 38) end to end. What TP = n gives against TP = 1 is recorded, not
+required.
 
 The mesh needs 4 devices: `test_on_a_simulated_4_device_mesh` runs this file in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=4 (the suite's own processes keep their one CPU device), where the
@@ -130,6 +131,23 @@ def test_speculative_equals_greedy_on_the_mesh(family, n):
         out = _run(family, n, drafter)
         assert out.stats.verify_steps > 0, f"{drafter} never verified: the test would show nothing"
         assert out.tokens == greedy, f"{family} TP={n} {drafter}"
+
+
+@mesh_only
+@pytest.mark.parametrize("family", FAMILIES)
+def test_host_loop_after_a_chunked_prefill_keeps_greedy_and_sampled_tokens_on_the_mesh(family):
+    """TP = 2 on the host loop (the default), the prompt prefilled in two chunks of 8: MTP == greedy, and prompt
+    lookup and MTP under a Sampler == plain sampling with the same seed (the sampling contract on the mesh)."""
+    cfg, params = _model(family, int4=family == "qwen2")
+    engine = jspec.Engine(params, cfg, max_len=MAX_LEN, k=3, mesh=_mesh(2), prefill_chunk=8)
+    sampler = jspec.Sampler(temperature=0.8, seed=3)
+    runs = [(None, jspec.MTPDrafter()), (sampler, jspec.PromptLookup()), (sampler, jspec.MTPDrafter())]
+    for chosen, drafter in runs:
+        plain = engine.generate(PROMPT, NEW, eos_id=(), sampler=chosen).tokens
+        out = engine.generate(PROMPT, NEW, eos_id=(), sampler=chosen, drafter=drafter)
+        label = f"{family} TP=2 {type(drafter).__name__} {'sampled' if chosen else 'greedy'}"
+        assert out.stats.verify_steps > 0, f"{label}: never verified, the check would show nothing"
+        assert out.tokens == plain, label
 
 
 @mesh_only
