@@ -41,6 +41,12 @@ KERNEL_TILES = {  # head_dim -> (block_q, block_k, num_warps, num_stages) of the
     128: (128, 64, 8, 3),
     256: (64, 32, 8, 2),
 }
+# float32 q / kv where the tiles above overflow the H200's 227 KB of shared memory (at head_dim 128 float32 they
+# asked 256.5 KB: the query tile and 3 stages of key and value blocks, twice the bytes of bfloat16)
+FLOAT32_TILES = {
+    128: (64, 64, 4, 2),
+    256: (32, 32, 4, 2),
+}
 INTERPRET_TILES = (16, 16)  # (block_q, block_k) in interpret mode: tiny tests still cross several blocks
 _LOG2E = math.log2(math.e)
 
@@ -171,12 +177,15 @@ def _kernel(start_ref, q_ref, kv_ref, o_ref, *, scale, group, block_q, block_k, 
     o_ref[...] = (acc / den[:, None]).astype(o_ref.dtype)
 
 
-def kernel_tiles(head_dim: int, interpret: bool) -> tuple[int, int, int, int]:
-    """(block_q, block_k, num_warps, num_stages) of the kernel for head_dim (a function of the shape only)."""
+def kernel_tiles(head_dim: int, itemsize: int, interpret: bool) -> tuple[int, int, int, int]:
+    """(block_q, block_k, num_warps, num_stages) of the kernel for head_dim and the bytes of an element (a function
+    of the shape and dtype only)."""
     if interpret:
         return (*INTERPRET_TILES, 4, 1)
     if head_dim not in KERNEL_TILES:
         raise ValueError(f"chunk_attention: no GPU kernel tiles for head_dim {head_dim} (have {sorted(KERNEL_TILES)})")
+    if itemsize == 4 and head_dim in FLOAT32_TILES:
+        return FLOAT32_TILES[head_dim]
     return KERNEL_TILES[head_dim]
 
 
@@ -184,7 +193,7 @@ def kernel_tiles(head_dim: int, interpret: bool) -> tuple[int, int, int, int]:
 def _kernel_call(q, kv, start, *, scale: float, interpret: bool):
     c, hq, d = q.shape
     hkv = kv.shape[1]
-    block_q, block_k, warps, stages = kernel_tiles(d, interpret)
+    block_q, block_k, warps, stages = kernel_tiles(d, q.dtype.itemsize, interpret)
     qp = _pad_rows(q, block_q)
     kv = _pad_rows(kv, block_k)
     s_len = kv.shape[0]

@@ -201,16 +201,17 @@ ON_GPU = jax.default_backend() == "gpu"
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the compiled kernel needs a GPU")
-@pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 4), (256, 2)])
-def test_compiled_chunk_attention_matches_a_dense_softmax(head_dim, group):
-    """The Pallas kernel as the GPU compiles it (bfloat16, the model's tiles): a 512-row chunk at position 1000 of
-    a 2048-position cache, and a full forward's fresh keys (start 0, 300 rows, no padding multiple)."""
+@pytest.mark.parametrize("dtype,tol", [("bfloat16", 4e-2), ("float32", 5e-3)])
+@pytest.mark.parametrize("head_dim,group", [(16, 2), (32, 1), (64, 1), (128, 4), (256, 2)])
+def test_compiled_chunk_attention_matches_a_dense_softmax(head_dim, group, dtype, tol):
+    """The Pallas kernel as the GPU compiles it (the tiles of every head_dim and dtype: float32's must fit shared
+    memory too): a 512-row chunk at position 1000 of a 2048-position cache, and a full forward's fresh keys (start
+    0, 300 rows, no padding multiple)."""
     rng = np.random.default_rng(head_dim)
     hkv = 2
     for start, rows, s_len in ((1000, 512, 2048), (0, 300, 300)):
         q = rng.standard_normal((rows, hkv * group, head_dim))
         kv = rng.standard_normal((s_len, hkv, 2, head_dim))
         want = dense_softmax_attention(q, kv, start)
-        got = chunk_attention(jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16), jnp.int32(start),
-                              scale=head_dim**-0.5)  # fmt: skip
-        np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=4e-2, rtol=4e-2)
+        got = chunk_attention(jnp.asarray(q, dtype), jnp.asarray(kv, dtype), jnp.int32(start), scale=head_dim**-0.5)
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol, rtol=tol)
