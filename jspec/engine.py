@@ -249,7 +249,11 @@ class Engine:
                 weights = (tensor_parallel.SHARDED, tensor_parallel.REPLICATED)
                 specs = (weights, *map(tensor_parallel.specs_of, args[1:]))
                 fn = tensor_parallel.on_mesh(fn, self.mesh, specs, out)
-            lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
+            # keep_unused: every argument stays a parameter, so a donated Loop leaf aliases its own output. With
+            # unused leaves pruned JAX pairs donated buffers with other outputs of the same shape (the first round's
+            # executable crossed its int32 scalars), and on the H200 that executable, donated, returned a wrong n_out
+            # (docs/exactness.md, the host-loop MTP fault).
+            lowered = jax.jit(fn, donate_argnums=donate, keep_unused=True).lower(*args)
             self._executables[key] = lowered.compile(compiler_options=compiler_options())
             self.num_compiles += 1
         return self._executables[key]
