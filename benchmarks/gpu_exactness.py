@@ -166,13 +166,14 @@ def main() -> int:
             ]:
                 r = engine.generate(echo, 96, eos_id=(), **kw)
                 expected = sampled if "sampler" in kw else greedy
+                identical = r.tokens == expected
                 e2e[name] = dict(
-                    identical=r.tokens == expected,
+                    identical=identical,
                     verify_steps=r.stats.verify_steps,
                     mean_accepted=r.stats.mean_accepted,
                     vacuous=kw.get("drafter") is not None and r.stats.verify_steps == 0,
                     # where a run leaves the reference and how it ended: what to read first when it is not identical
-                    first_difference=None if r.tokens == expected else common_prefix(r.tokens, expected),
+                    first_difference=None if identical else common_prefix(r.tokens, expected),
                     n_tokens=len(r.tokens),
                     stop_reason=r.stats.stop_reason,
                 )
