@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -435,3 +436,31 @@ def test_chunked_prefill_fills_the_mtp_caches_as_one_chunk():
     engine = jspec.Engine(params, cfg, max_len=MAX_LEN, k=3, prefill_chunk=8)
     expected = greedy("qwen2", 2, "float32", tuple(prompt.tolist()), 20)
     assert engine.generate(prompt.tolist(), 20, drafter=jspec.MTPDrafter()).tokens == expected
+
+
+def donated_aliases(executable) -> list[tuple[int, int]]:
+    """(output leaf, parameter) of each buffer the compiled executable donates, from its HLO module's header."""
+    header = executable.as_text().split("\n", 1)[0]
+    return [(int(out), int(param)) for out, param in re.findall(r"\{(\d+)\}: \((\d+), \{\}, \w+-alias\)", header)]
+
+
+def test_every_donated_loop_leaf_aliases_its_own_output():
+    """Each executable that takes the Loop (or the batch) donated hands every leaf's buffer to that same leaf's
+    output. With unused arguments pruned (jax.jit's keep_unused=False) JAX paired donated buffers with other outputs
+    of the same shape, crossing the first round's int32 scalars; on the H200 that executable returned a wrong n_out
+    after a chunked prefill (docs/exactness.md, the host-loop MTP fault; Engine._compile)."""
+    params, cfg = mtp_model("qwen2", 2)
+    engine = jspec.Engine(params, cfg, max_len=MAX_LEN, k=3, prefill_chunk=8, batch_size=2)
+    prompt = list(range(1, 31))
+    engine.generate(prompt, 8, drafter=jspec.MTPDrafter())
+    engine.generate_batch([prompt, prompt[:5]], 4, drafter=jspec.MTPDrafter())
+    n_weights = len(jax.tree.leaves(engine._weights(jspec.MTPDrafter())))
+    donating = {"prefill8", "first", "decode", "verify", "batch-fill", "batch-rounds"}
+    assert donating <= {key[0] for key in engine._executables}
+    for key, executable in engine._executables.items():
+        if key[0] not in donating:
+            continue
+        loop = executable.out_info[0] if key[0] == "batch-rounds" else executable.out_info  # (batch, occupancy)
+        n_leaves = len(jax.tree.leaves(loop))
+        expected = [(i, n_weights + i) for i in range(n_leaves)]
+        assert donated_aliases(executable) == expected, key[0]

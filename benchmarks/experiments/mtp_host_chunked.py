@@ -23,7 +23,9 @@ Variants (the Engine's executables compiled with):
 - no_while: command buffers without WHILE / CONDITIONAL (the loops driven from the host;
   `device_loop_profile.without_command_buffers`);
 - no_graphs: no command buffers at all (`xla_options.NO_GRAPHS`);
-- no_donation: the shipped options, the Loop not donated between executables.
+- no_donation: the shipped options, the Loop not donated between executables;
+- pruned, pruned_no_donation: the Engine before bf52466, its executables compiled with unused arguments pruned
+  (jax.jit's keep_unused=False), the Loop donated or not.
 
     python3 benchmarks/experiments/mtp_host_chunked.py --commit SHA --out $OUT/mtp_host_chunked_h200.json
     python3 benchmarks/experiments/mtp_host_chunked.py --small --out /tmp/mtp_host_chunked_cpu.json   # CPU smoke
@@ -61,6 +63,8 @@ VARIANTS = {
     "no_while": without_command_buffers("WHILE", "CONDITIONAL"),
     "no_graphs": SHIPPED | NO_GRAPHS,
     "no_donation": SHIPPED,
+    "pruned": SHIPPED,
+    "pruned_no_donation": SHIPPED,
 }
 
 
@@ -69,6 +73,27 @@ class UndonatedEngine(jspec.Engine):
 
     def _compile(self, key, fn, *args, donate=(), **kw):
         return super()._compile(key, fn, *args, **kw)
+
+
+class PrunedEngine(jspec.Engine):
+    """The Engine as it was before bf52466: its executables compiled with jax.jit's default keep_unused=False
+    (unused arguments pruned; the pruned variants, donating or not). One device, no mesh."""
+
+    donate = True
+
+    def _compile(self, key, fn, *args, donate=(), out=None):
+        if key not in self._executables:
+            lowered = jax.jit(fn, donate_argnums=donate if self.donate else ()).lower(*args)
+            self._executables[key] = lowered.compile(compiler_options=compiler_options())
+            self.num_compiles += 1
+        return self._executables[key]
+
+
+class PrunedUndonatedEngine(PrunedEngine):
+    donate = False
+
+
+ENGINES = {"no_donation": UndonatedEngine, "pruned": PrunedEngine, "pruned_no_donation": PrunedUndonatedEngine}
 
 
 def dense_mtp_model(small: bool):
@@ -163,7 +188,7 @@ def run_case(name, cfg, params, kw, prompt, max_new, variants, rounds) -> dict:
     for variant in variants:
         jspec.engine.GPU_COMPILER_OPTIONS = VARIANTS[variant]
         try:
-            engine = (UndonatedEngine if variant == "no_donation" else jspec.Engine)(params, cfg, **kw)
+            engine = ENGINES.get(variant, jspec.Engine)(params, cfg, **kw)
             r = engine.generate(prompt, max_new, drafter=jspec.MTPDrafter(), eos_id=())
             diverge = next((i for i, (a, b) in enumerate(zip(r.tokens, greedy, strict=False)) if a != b), None)
             row = dict(
