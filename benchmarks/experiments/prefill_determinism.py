@@ -10,8 +10,9 @@ the three processes since (93, 94 and 94 rounds): what the drafter proposed chan
 One process of this script runs that case (a 248-token echo prompt in chunks of 64) and records, as sha256 digests
 of the bits: the Loop after greedy's prefill executables and after MTP's (the main model's caches, tokens, hidden
 rows; MTP's own state apart), greedy's tokens, MTP's tokens on the host loop and on the device loop, and MTP's
-verify rounds. Run it in several processes (with XLA_FLAGS unset and with --xla_gpu_autotune_level=0, say) and
-compare the digests across the JSONs.
+verify rounds; and the same for greedy and host-loop MTP on the Engine as it was before bf52466 (`PrunedEngine`:
+unused arguments pruned, the Loop donated), against this greedy. Run it in several processes (with XLA_FLAGS unset
+and with --xla_gpu_autotune_level=0, say) and compare the digests across the JSONs.
 
     for i in 1 2 3; do python3 benchmarks/experiments/prefill_determinism.py --commit SHA --out $OUT/pd_$i.json; done
     python3 benchmarks/experiments/prefill_determinism.py --small --out /tmp/pd_cpu.json   # CPU smoke
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from mtp_host_chunked import cases  # noqa: E402
+from mtp_host_chunked import PrunedEngine, cases  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec.engine import prefill_plan  # noqa: E402
@@ -75,6 +76,10 @@ def main():
     greedy = greedy_engine.generate(prompt, max_new, eos_id=())
     host = mtp_engine.generate(prompt, max_new, drafter=mtp, eos_id=())
     device = mtp_engine.generate(prompt, max_new, drafter=mtp, eos_id=(), on_device=True)
+    pruned_engine = PrunedEngine(params, cfg, **kw)  # the Engine before bf52466 (unused arguments pruned)
+    pruned = pruned_engine.generate(prompt, max_new, eos_id=())
+    pruned_mtp = pruned_engine.generate(prompt, max_new, drafter=mtp, eos_id=())
+    runs = (("mtp_host", host), ("mtp_device", device), ("pruned_greedy", pruned), ("pruned_mtp_host", pruned_mtp))
     out = dict(
         meta=experiment_meta(args.commit, case=name, prompt_tokens=len(prompt), max_new=max_new, engine=kw),
         prefill={
@@ -87,12 +92,12 @@ def main():
             for key, loop in loops.items()
         },
         tokens=dict(greedy=digest(np.int32(greedy.tokens)), mtp_host=digest(np.int32(host.tokens))),
-        identical=dict(mtp_host=host.tokens == greedy.tokens, mtp_device=device.tokens == greedy.tokens),
+        identical={mode: r.tokens == greedy.tokens for mode, r in runs},
         first_divergence={
             mode: next((i for i, (a, b) in enumerate(zip(r.tokens, greedy.tokens, strict=True)) if a != b), None)
-            for mode, r in (("mtp_host", host), ("mtp_device", device))
+            for mode, r in runs
         },
-        verify_steps=dict(mtp_host=host.stats.verify_steps, mtp_device=device.stats.verify_steps),
+        verify_steps={mode: r.stats.verify_steps for mode, r in runs},
         greedy_tokens=greedy.tokens,
     )
     print(out["prefill"], out["identical"], out["first_divergence"], out["verify_steps"], flush=True)
