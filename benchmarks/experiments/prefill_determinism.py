@@ -12,7 +12,8 @@ of the bits: the Loop after greedy's prefill executables and after MTP's (the ma
 rows; MTP's own state apart), greedy's tokens, MTP's tokens on the host loop and on the device loop, and MTP's
 verify rounds; and the same for greedy and host-loop MTP on the Engine as it was before bf52466 (`PrunedEngine`:
 unused arguments pruned, the Loop donated), against this greedy. Run it in several processes (with XLA_FLAGS unset
-and with --xla_gpu_autotune_level=0, say) and compare the digests across the JSONs.
+and with --xla_gpu_autotune_level=0, say) and compare the digests across the JSONs. A process takes ~130 s on the
+H200 with autotuning off; at d54e0ec two with it on did not end within a 140 s timeout (their compiles autotune).
 
     for i in 1 2 3; do python3 benchmarks/experiments/prefill_determinism.py --commit SHA --out $OUT/pd_$i.json; done
     python3 benchmarks/experiments/prefill_determinism.py --small --out /tmp/pd_cpu.json   # CPU smoke
@@ -68,40 +69,37 @@ def main():
     t0 = time.perf_counter()
     name, cfg, params, kw, prompt, max_new = list(cases(args.small))[1]
     greedy_engine, mtp_engine = jspec.Engine(params, cfg, **kw), jspec.Engine(params, cfg, **kw)
-    mtp = jspec.MTPDrafter()
-    loops = {
-        "greedy": prefilled(greedy_engine, greedy_engine.settings(), prompt),
-        "mtp": prefilled(mtp_engine, mtp_engine.settings(drafter=mtp), prompt),
-    }
-    greedy = greedy_engine.generate(prompt, max_new, eos_id=())
-    host = mtp_engine.generate(prompt, max_new, drafter=mtp, eos_id=())
-    device = mtp_engine.generate(prompt, max_new, drafter=mtp, eos_id=(), on_device=True)
     pruned_engine = PrunedEngine(params, cfg, **kw)  # the Engine before bf52466 (unused arguments pruned)
-    pruned = pruned_engine.generate(prompt, max_new, eos_id=())
-    pruned_mtp = pruned_engine.generate(prompt, max_new, drafter=mtp, eos_id=())
-    runs = (("mtp_host", host), ("mtp_device", device), ("pruned_greedy", pruned), ("pruned_mtp_host", pruned_mtp))
-    out = dict(
-        meta=experiment_meta(args.commit, case=name, prompt_tokens=len(prompt), max_new=max_new, engine=kw),
-        prefill={
-            key: dict(
-                main=digest(dataclasses.replace(loop.state, drafter=None)),
-                cache=digest(loop.state.cache),
-                hidden=digest(loop.state.hidden),
-                drafter=digest(loop.state.drafter),
-            )
-            for key, loop in loops.items()
-        },
-        tokens=dict(greedy=digest(np.int32(greedy.tokens)), mtp_host=digest(np.int32(host.tokens))),
-        identical={mode: r.tokens == greedy.tokens for mode, r in runs},
-        first_divergence={
-            mode: next((i for i, (a, b) in enumerate(zip(r.tokens, greedy.tokens, strict=True)) if a != b), None)
-            for mode, r in runs
-        },
-        verify_steps={mode: r.stats.verify_steps for mode, r in runs},
-        greedy_tokens=greedy.tokens,
-    )
-    print(out["prefill"], out["identical"], out["first_divergence"], out["verify_steps"], flush=True)
-    save_experiment(out, args.out, t0)
+    mtp = jspec.MTPDrafter()
+    out = dict(meta=experiment_meta(args.commit, case=name, prompt_tokens=len(prompt), max_new=max_new, engine=kw))
+    out["prefill"] = {}
+    for key, engine, settings in (("greedy", greedy_engine, None), ("mtp", mtp_engine, mtp)):
+        state = prefilled(engine, engine.settings(drafter=settings), prompt).state
+        out["prefill"][key] = dict(
+            main=digest(dataclasses.replace(state, drafter=None)),
+            cache=digest(state.cache),
+            hidden=digest(state.hidden),
+            drafter=digest(state.drafter),
+        )
+    save_experiment(out, args.out, t0)  # each part saved as it ends: a timeout keeps what ran
+    greedy = greedy_engine.generate(prompt, max_new, eos_id=()).tokens
+    out.update(greedy_tokens=greedy, runs={})
+    modes = {
+        "mtp_host": lambda: mtp_engine.generate(prompt, max_new, drafter=mtp, eos_id=()),
+        "mtp_device": lambda: mtp_engine.generate(prompt, max_new, drafter=mtp, eos_id=(), on_device=True),
+        "pruned_greedy": lambda: pruned_engine.generate(prompt, max_new, eos_id=()),
+        "pruned_mtp_host": lambda: pruned_engine.generate(prompt, max_new, drafter=mtp, eos_id=()),
+    }
+    for mode, run in modes.items():
+        r = run()
+        out["runs"][mode] = dict(
+            identical=r.tokens == greedy,
+            first_divergence=next((i for i, (a, b) in enumerate(zip(r.tokens, greedy, strict=True)) if a != b), None),
+            verify_steps=r.stats.verify_steps,
+            tokens=digest(np.int32(r.tokens)),
+        )
+        print(mode, out["runs"][mode], flush=True)
+        save_experiment(out, args.out, t0)
 
 
 if __name__ == "__main__":
