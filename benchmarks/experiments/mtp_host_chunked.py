@@ -140,11 +140,21 @@ def compare(host, ref) -> dict:
     return out
 
 
-def stages(engine, settings, prompt: list[int], max_new: int, rounds: int) -> list[dict]:
-    """The host loop's stages (as `Engine._host_loop` runs them), each against its composed reference."""
+def prefilled(engine, settings, prompt: list[int], max_new: int):
+    """The Engine's own start and prefill executables run as `Engine._host_loop` runs them -> (the Loop, the
+    executables' weights, the request's arguments of the start executable)."""
     request = engine.request(prompt, max_new, ())
     weights = engine._checked_weights(settings)
     args = (weights, *request.loop_args(engine.max_len))
+    start = engine._start_exec(settings, weights)
+    loop = start(*args)
+    for size, count in prefill_plan(len(prompt), settings.prefill_chunk):
+        loop = engine._loop_exec(f"prefill{size}", settings, weights, start.out_info)(weights, loop, np.int32(count))
+    return loop, weights, args
+
+
+def stages(engine, settings, prompt: list[int], max_new: int, rounds: int) -> list[dict]:
+    """The host loop's stages (as `Engine._host_loop` runs them), each against its composed reference."""
     cfg, options = engine.shard_cfg, compiler_options()
 
     def ref_prefill(weights, *request):
@@ -157,12 +167,9 @@ def stages(engine, settings, prompt: list[int], max_new: int, rounds: int) -> li
         return run_rounds(weights[0], cfg, settings, loop, jnp.int32(1), verify=verify, own=weights[1])
 
     ref_rounds = jax.jit(ref_rounds, static_argnums=2, compiler_options=options)
-    start_exec = engine._start_exec(settings, weights)
-    shape = start_exec.out_info
+    loop, weights, args = prefilled(engine, settings, prompt, max_new)
+    shape = engine._start_exec(settings, weights).out_info  # compiled by `prefilled`
     out = []
-    loop = start_exec(*args)
-    for size, count in prefill_plan(len(prompt), settings.prefill_chunk):
-        loop = engine._loop_exec(f"prefill{size}", settings, weights, shape)(weights, loop, np.int32(count))
     ref = jax.jit(ref_prefill, compiler_options=options)(*args)
     out.append(dict(stage="prefill", differ=compare(jax.device_get(loop), jax.device_get(ref))))
     loop = engine._loop_exec("first", settings, weights, shape)(weights, loop)

@@ -34,10 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from mtp_host_chunked import PrunedEngine, cases  # noqa: E402
+from mtp_host_chunked import PrunedEngine, cases, prefilled  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec.engine import prefill_plan  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
 
 
@@ -47,17 +46,6 @@ def digest(tree) -> str:
     for leaf in jax.tree.leaves(jax.device_get(tree)):
         h.update(np.ascontiguousarray(leaf).tobytes())
     return h.hexdigest()[:16]
-
-
-def prefilled(engine: jspec.Engine, settings, prompt: list[int]):
-    """The Loop after the Engine's own start and prefill executables (as `Engine._host_loop` runs them)."""
-    request = engine.request(prompt, 96, ())
-    weights = engine._checked_weights(settings)
-    start = engine._start_exec(settings, weights)
-    loop = start(weights, *request.loop_args(engine.max_len))
-    for size, count in prefill_plan(len(prompt), settings.prefill_chunk):
-        loop = engine._loop_exec(f"prefill{size}", settings, weights, start.out_info)(weights, loop, np.int32(count))
-    return loop
 
 
 def main():
@@ -74,7 +62,7 @@ def main():
     out = dict(meta=experiment_meta(args.commit, case=name, prompt_tokens=len(prompt), max_new=max_new, engine=kw))
     out["prefill"] = {}
     for key, engine, settings in (("greedy", greedy_engine, None), ("mtp", mtp_engine, mtp)):
-        state = prefilled(engine, engine.settings(drafter=settings), prompt).state
+        state = prefilled(engine, engine.settings(drafter=settings), prompt, max_new)[0].state
         out["prefill"][key] = dict(
             main=digest(dataclasses.replace(state, drafter=None)),
             cache=digest(state.cache),
