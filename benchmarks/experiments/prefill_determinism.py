@@ -1,19 +1,21 @@
 """Is the hybrid prefill the same bits in greedy's executable, in MTP's, and in every process?
 
 DESIGN.md's rule 10 keeps prefill outside the contract's bit-equality because greedy and speculation share it. They
-share its code, not its executable: the Engine compiles a prefill per setting, and the Gated DeltaNet's chunked
-recurrence (`pallas_kernels.recurrent.chunk_gated_delta`) runs XLA's own float32 dots and triangular solve, whose
-cuBLAS algorithms XLA's autotuner picks by timing when it compiles. Seen on the H200: the qwen3_next int4 echo case of
-`mtp_host_chunked.py` left greedy at token 77 in both processes at 92eba15 (92 verify rounds each) and matched it in
-the three processes since (93, 94 and 94 rounds): what the drafter proposed changed from process to process.
+share its code, not its executable: the Engine compiles a prefill per setting, and its products and the Gated
+DeltaNet's chunked recurrence (`pallas_kernels.recurrent.chunk_gated_delta`: float32 dots, a triangular solve) are
+XLA's own, whose cuBLAS algorithms or Triton tilings XLA's autotuner picks by timing when it compiles. Seen on the
+H200: the qwen3_next int4 echo case of `mtp_host_chunked.py` left greedy at token 77 in both processes at 92eba15
+(92 verify rounds each) and matched it in the three processes since (93, 94 and 94 rounds): what the drafter
+proposed changed from process to process.
 
 One process of this script runs that case (a 248-token echo prompt in chunks of 64) and records, as sha256 digests
 of the bits: the Loop after greedy's prefill executables and after MTP's (the main model's caches, tokens, hidden
-rows; MTP's own state apart), greedy's tokens, MTP's tokens on the host loop and on the device loop, and MTP's
-verify rounds; and the same for greedy and host-loop MTP on the Engine as it was before bf52466 (`PrunedEngine`:
-unused arguments pruned, the Loop donated), against this greedy. Run it in several processes (with XLA_FLAGS unset
-and with --xla_gpu_autotune_level=0, say) and compare the digests across the JSONs. A process takes ~130 s on the
-H200 with autotuning off; at d54e0ec two with it on did not end within a 140 s timeout (their compiles autotune).
+rows; MTP's own state apart), with what XLA's autotuner chose for each of their products; greedy's tokens, MTP's
+tokens on the host loop and on the device loop, and MTP's verify rounds; and the same for greedy and host-loop MTP
+on the Engine as it was before bf52466 (`PrunedEngine`: unused arguments pruned, the Loop donated), against this
+greedy. Run it in several processes, with XLA_FLAGS unset and with --xla_gpu_autotune_level=0, and compare: greedy's
+and MTP's `main` digests within a process, and every digest across processes. A process takes ~130 s on the H200
+with autotuning off; at d54e0ec two with it on did not end within a 140 s timeout (their compiles autotune).
 
     for i in 1 2 3; do python3 benchmarks/experiments/prefill_determinism.py --commit SHA --out $OUT/pd_$i.json; done
     python3 benchmarks/experiments/prefill_determinism.py --small --out /tmp/pd_cpu.json   # CPU smoke
@@ -25,6 +27,7 @@ import argparse
 import dataclasses
 import hashlib
 import os
+import re
 import sys
 import time
 
@@ -48,6 +51,21 @@ def digest(tree) -> str:
     return h.hexdigest()[:16]
 
 
+def gemm_choices(engine: jspec.Engine) -> list[str]:
+    """What XLA's autotuner chose for each product in the Engine's prefill executables, sorted: "shape config" of
+    every Triton GEMM fusion (its tiling and split_k) and every cuBLAS call (its selected algorithm). Empty on the
+    CPU, where nothing is autotuned."""
+    out = []
+    for key, executable in engine._executables.items():
+        if not key[0].startswith("prefill"):
+            continue
+        for line in executable.as_text().splitlines():
+            choice = re.search(r'"triton_gemm_config":(\{[^}]*\})|"selected_algorithm":"?(-?\d+)', line)
+            if choice and (shape := re.search(r"= (\S+) ", line)):
+                out.append(f"{key[0]} {shape.group(1)} {choice.group(1) or 'cublas ' + choice.group(2)}")
+    return sorted(out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -68,6 +86,7 @@ def main():
             cache=digest(state.cache),
             hidden=digest(state.hidden),
             drafter=digest(state.drafter),
+            gemms=gemm_choices(engine),
         )
     save_experiment(out, args.out, t0)  # each part saved as it ends: a timeout keeps what ran
     greedy = greedy_engine.generate(prompt, max_new, eos_id=()).tokens
