@@ -9,7 +9,10 @@ host loop, after a prompt prefilled in several chunks, gave tokens other than pl
 On the CPU both pass (reference kernels and JSPEC_KERNELS=interpret; this script's --small run too). 65aa4be's
 layer, MTP-layer and `linear` code (the fused residual norm) was reverted in 3c7bc61, so the first question this run
 answers is whether the shipped code leaves greedy at all. At 92eba15 it does, in both cases
-(experiments/results/mtp_host_chunked_h200.json, mtp_host_chunked_variants_h200.json; docs/exactness.md).
+(experiments/results/mtp_host_chunked_h200.json, mtp_host_chunked_variants_h200.json; docs/exactness.md). With
+keep_unused (bf52466) both are identical (mtp_host_chunked_keep_unused_h200.json); in one process the pruned
+variant returns the first case's wrong first round again and the shipped Engine does not
+(mtp_host_chunked_pruned_ab_h200.json, where the second case matched greedy in every variant).
 
 For each case and each variant this script runs the host-loop MTP generation against plain greedy, then the host
 loop's stages one by one, each against the same stage composed in one jitted program (`jspec.loop`'s functions, no
