@@ -59,6 +59,7 @@ import jspec.engine  # noqa: E402
 from jspec.engine import compiler_options, prefill_plan  # noqa: E402
 from jspec.loop import prefill_round, prefilled_loop, run_rounds  # noqa: E402
 from jspec.models.mtp import init_mtp_params  # noqa: E402
+from jspec.stats import common_prefix  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
 
 VARIANTS = {
@@ -200,10 +201,10 @@ def run_case(name, cfg, params, kw, prompt, max_new, variants, rounds) -> dict:
         try:
             engine = ENGINES.get(variant, jspec.Engine)(params, cfg, **kw)
             r = engine.generate(prompt, max_new, drafter=jspec.MTPDrafter(), eos_id=())
-            diverge = next((i for i, (a, b) in enumerate(zip(r.tokens, greedy, strict=False)) if a != b), None)
+            identical = r.tokens == greedy
             row = dict(
-                identical=r.tokens == greedy,
-                first_divergence=diverge,
+                identical=identical,
+                first_divergence=None if identical else common_prefix(r.tokens, greedy),
                 tokens_head=r.tokens[:16],
                 n_tokens=len(r.tokens),
                 verify_steps=r.stats.verify_steps,

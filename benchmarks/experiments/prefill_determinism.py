@@ -40,6 +40,7 @@ import numpy as np  # noqa: E402
 from mtp_host_chunked import PrunedEngine, cases, prefilled  # noqa: E402
 
 import jspec  # noqa: E402
+from jspec.stats import common_prefix  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
 
 
@@ -99,9 +100,10 @@ def main():
     }
     for mode, run in modes.items():
         r = run()
+        identical = r.tokens == greedy
         out["runs"][mode] = dict(
-            identical=r.tokens == greedy,
-            first_divergence=next((i for i, (a, b) in enumerate(zip(r.tokens, greedy, strict=True)) if a != b), None),
+            identical=identical,
+            first_divergence=None if identical else common_prefix(r.tokens, greedy),
             verify_steps=r.stats.verify_steps,
             tokens=digest(np.int32(r.tokens)),
         )
