@@ -276,7 +276,9 @@ class Engine:
         if own is None:
             return self.params, None
         if self._drafter_weights[0] is not own:
-            dtype, backend = jnp.dtype(own["embed"].dtype).name, get_backend()
+            # a model's weights run in its embedding's dtype; a head's (MTPDrafter.over) in the engine's
+            dtype = jnp.dtype(own["embed"].dtype).name if "embed" in own else self.dtype
+            backend = get_backend()
             prepare = resolve_prepare(None if self.prepared else False, own, dtype, backend)
             mine = prepare_params(own, dtype, backend) if prepare else own
             self._drafter_weights = (own, mine if self.mesh is None else tensor_parallel.replicate(mine, self.mesh))

@@ -335,9 +335,10 @@ def test_drafter_steps_match_full_forward():
         np.testing.assert_allclose(np.asarray(cache[: t - i]), np.asarray(full[: t - i]), atol=2e-5, rtol=1e-4)
 
 
-def test_trained_mtp_head_is_accepted():
-    """An MTP head trained (MTP loss only, main model frozen) on the model's own greedy continuations gets its
-    drafts accepted (a wiring error would make them random: ~1/96 acceptance); output stays plain greedy."""
+@functools.cache
+def trained_head_model():
+    """(params with an MTP head trained on the model's own greedy continuations, cfg, prompts, sequences int32
+    [3, 47]): MTP loss only, the main model frozen."""
     import optax
 
     params, cfg = mtp_model("qwen2", 1)
@@ -362,15 +363,74 @@ def test_trained_mtp_head_is_accepted():
     for _ in range(60):
         head, opt_state, loss = train_step(head, opt_state)
     assert float(loss) < 0.2
-    eng = jspec.Engine({**params, "mtp": head}, cfg, max_len=MAX_LEN, k=2)
+    return {**params, "mtp": head}, cfg, prompts, np.asarray(seqs)
+
+
+def test_trained_mtp_head_is_accepted():
+    """An MTP head trained on the model's own greedy continuations gets its drafts accepted (a wiring error would
+    make them random: ~1/96 acceptance); output stays plain greedy."""
+    params, cfg, prompts, seqs = trained_head_model()
+    eng = jspec.Engine(params, cfg, max_len=MAX_LEN, k=2)
     gate = jspec.HitDensityGate(window=4, min_hits=2)
-    for prompt, seq in zip(prompts, np.asarray(seqs), strict=True):
+    for prompt, seq in zip(prompts, seqs, strict=True):
         for gated, on_device in ((False, False), (True, True)):
             result = eng.generate(
                 prompt, 40, drafter=jspec.MTPDrafter(), gate=gate if gated else None, on_device=on_device
             )
             assert result.tokens == list(seq[len(prompt) :])
             assert result.stats.mean_accepted > 1.5, result.stats.mean_accepted
+
+
+def test_a_drafter_over_some_tokens_drafts_only_them():
+    """MTPDrafter.over(params, ids): over the whole vocabulary (in any order) it drafts what MTPDrafter drafts; over
+    the tokens the continuations use it keeps the trained head's acceptance; over the others nothing it drafts is
+    accepted. Every output is plain greedy's, and plain sampling's under a Sampler (coupled drafting)."""
+    params, cfg, prompts, seqs = trained_head_model()
+    eng = jspec.Engine(params, cfg, max_len=MAX_LEN, k=2)
+    used = np.unique(seqs)
+    unused = np.setdiff1d(np.arange(cfg.vocab_size), used)
+    drafters = {
+        "whole": jspec.MTPDrafter(),
+        "permuted": jspec.MTPDrafter.over(params, np.random.default_rng(0).permutation(cfg.vocab_size)),
+        "used": jspec.MTPDrafter.over(params, used[::-1]),
+        "unused": jspec.MTPDrafter.over(params, unused),
+    }
+    assert drafters["used"] != drafters["whole"] and drafters["permuted"] != drafters["whole"]
+    assert drafters["used"] == jspec.MTPDrafter.over(params, unused[: used.size])  # same shapes: same executables
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        runs = {name: eng.generate(prompt, 40, drafter=d) for name, d in drafters.items()}
+        assert all(r.tokens == list(seq[len(prompt) :]) for r in runs.values())
+        accepted = {name: r.stats.per_position_acceptance for name, r in runs.items()}
+        assert accepted["permuted"] == accepted["whole"]
+        assert runs["used"].stats.mean_accepted > 1.5 and runs["unused"].stats.accepted == 0
+    sampler = jspec.Sampler(temperature=0.8, seed=5)
+    plain = eng.generate(prompts[0], 40, sampler=sampler).tokens
+    for on_device in (False, True):
+        out = eng.generate(prompts[0], 40, sampler=sampler, drafter=drafters["used"], on_device=on_device)
+        assert out.tokens == plain and out.stats.verify_steps > 0
+
+
+def test_a_drafter_over_tokens_takes_their_head_rows():
+    """The copied head is the lm_head's columns of those tokens: an int4 lm_head's codes and scales, a dense one's
+    columns, a tied embedding's rows; bad token ids are refused by name."""
+    from jspec.drafters.mtp import _head_rows
+    from jspec.models import quantize_linears
+
+    params, cfg = mtp_model("qwen2", 1)
+    ids = jnp.asarray([7, 3, 90, 0], jnp.int32)
+    for case in (params, quantize_linears(params), {n: v for n, v in params.items() if n != "lm_head"}):
+        head = case.get("lm_head", case["embed"].T)
+        want = dequantize(head, jnp.float32) if isinstance(head, Int4Weight) else head
+        rows = _head_rows(case, ids)
+        got = dequantize(rows, jnp.float32) if isinstance(rows, Int4Weight) else rows
+        assert np.array_equal(np.asarray(got), np.asarray(want)[:, np.asarray(ids)])
+    for bad, message in (
+        ([], "non-empty"),
+        ([1, 96], "token id 96 is outside the vocabulary 0..95"),
+        ([2, 2], "repeat"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            jspec.MTPDrafter.over(params, np.asarray(bad, np.int64))
 
 
 def test_mtp_drafter_bad_input():

@@ -15,9 +15,10 @@ class Drafter(Protocol):
     """A drafter is a frozen, hashable dataclass (it is part of the compiled executables' identity).
 
     k: its own draft length, or None to take the engine's k.
-    weights: the drafter's own weights (a pytree; `jspec.DraftModel`'s model), or None (the default when the
-      attribute is absent). They are a runtime argument of the executables, never part of the drafter's hash: the
-      engine passes them (prepared for its kernel backend) to every method as `own`; None for a drafter without.
+    weights: the drafter's own weights (a pytree: `jspec.DraftModel`'s model, run in its embedding's dtype; the head
+      of `jspec.MTPDrafter.over`, run in the engine's), or None (the default when the attribute is absent). They are
+      a runtime argument of the executables, never part of the drafter's hash: the engine passes them (prepared for
+      its kernel backend) to every method as `own`; None for a drafter without.
     init: called before the prompt (state holds the prompt's tokens, nothing in the cache yet); returns the
       drafter's own empty state pytree (stored in DecodeState.drafter; None for a stateless drafter).
     prefill: called after every prompt chunk with the chunk's final-normed hidden rows [C, H] at positions

@@ -19,9 +19,11 @@ drafts never affect the output tokens: verify accepts only what greedy would pro
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jspec import checks
 from jspec.accept import greedy_choice
@@ -31,7 +33,7 @@ from jspec.models.layers import Run
 from jspec.models.layers import logits as logits_from_hidden
 from jspec.models.mtp import init_mtp_params, mtp_layer
 from jspec.state import DecodeState, physical_length
-from pallas_kernels import ROW_TILE
+from pallas_kernels import ROW_TILE, Int4Weight, linear
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,15 +43,48 @@ class MTPDrafter:
     coupled (default True): when sampling, draft each position with the target's own position-keyed choice on the
     head's logits (docs/design.md rule 8), so a draft equals the sample whenever the head's distribution is close;
     False: draft the head's argmax whatever the sampler (for comparison). Greedy decoding drafts the argmax either way.
+
+    `MTPDrafter.over(params, token_ids)` drafts from those tokens only: each draft reads the lm_head of those tokens
+    instead of the whole vocabulary's (a draft's largest product at a large vocabulary; FR-Spec, arXiv:2502.14856).
+    The output stays the target's: verify checks every draft against the whole vocabulary.
     """
 
     k: int | None = None
     coupled: bool = True
+    # {"lm_head": the head's rows of those tokens (a linear weight [H, N]), "ids": int32 [N]}: a runtime argument
+    # of the executables (`own`), never part of the drafter's hash; None: the whole vocabulary.
+    weights: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+    vocab: int | None = dataclasses.field(default=None, init=False)  # N: the drafted tokens (shapes the executables)
 
     def __post_init__(self):
         if self.k is not None:
             checks.integer(self.k, "MTPDrafter k", lo=1, hi=ROW_TILE - 1)
         checks.instance(self.coupled, bool, "MTPDrafter coupled", "True or False", optional=False)
+        if self.weights is not None:
+            if not isinstance(self.weights, dict) or set(self.weights) != {"lm_head", "ids"}:
+                raise ValueError("MTPDrafter weights must come from MTPDrafter.over(params, token_ids)")
+            object.__setattr__(self, "vocab", int(self.weights["ids"].shape[0]))
+
+    @classmethod
+    def over(cls, params: dict, token_ids, k: int | None = None, coupled: bool = True) -> MTPDrafter:
+        """An MTPDrafter drafting from token_ids only (distinct ids of the model's vocabulary; e.g. the most frequent
+        in your text: `np.argsort(-np.bincount(corpus_ids, minlength=vocab_size))[:n]`). params: the model's
+        weights, unsharded (the lm_head's rows of those tokens are copied; on a mesh every device holds the copy)."""
+        head = params.get("lm_head")
+        table = params["embed"] if head is None else head  # tied: the embedding's rows are the head's
+        if (table.packed if isinstance(table, Int4Weight) else table).ndim != 2:  # stacked on a mesh: 3
+            raise ValueError("MTPDrafter.over needs the model's unsharded params (build it before sharding them)")
+        vocab_size = table.shape[0] if head is None else table.shape[1]
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"MTPDrafter.over: token_ids must be a non-empty 1-D list of token ids, got {ids.shape}")
+        bad = ids[(ids < 0) | (ids >= vocab_size)]
+        if bad.size:
+            raise ValueError(f"MTPDrafter.over: token id {int(bad[0])} is outside the vocabulary 0..{vocab_size - 1}")
+        if np.unique(ids).size != ids.size:
+            raise ValueError("MTPDrafter.over: token_ids repeat an id; give each token once")
+        ids = jnp.asarray(ids, jnp.int32)
+        return cls(k, coupled, dict(lm_head=_head_rows(params, ids), ids=ids))
 
     def init(self, params: dict, cfg: ModelConfig, state: DecodeState, own=None):
         """Empty KV caches, one per MTP layer, and the carry [layers - 1, H]."""
@@ -118,7 +153,7 @@ class MTPDrafter:
             )
             hidden = jnp.roll(chain, shift, axis=0)
             row = jnp.roll(normed, shift, axis=0)[n - 1 + i]
-            drafts.append(choose(logits_from_hidden(params, cfg, row[None])[0], p + 2 + i))
+            drafts.append(choose(_draft_logits(params, cfg, row, own), p + 2 + i))
         last = hidden[n - 1 + num_layers - 1]  # the last layer's chain hidden at position p
 
         def chain_step(carry_state, offset):
@@ -128,7 +163,7 @@ class MTPDrafter:
             # one real row: only it attends (a row's bits do not depend on the others, docs/design.md rule 2)
             run = Run.step(p + offset, rows=1)
             chain, normed, cache = mtp_layer(params, cfg, rows_h, rows_t, cache, run, num_layers - 1)
-            d = choose(logits_from_hidden(params, cfg, normed[:1])[0], p + 1 + num_layers + offset)
+            d = choose(_draft_logits(params, cfg, normed[0], own), p + 1 + num_layers + offset)
             return (cache, chain[0], d), d
 
         draft = jnp.stack(drafts)
@@ -143,6 +178,27 @@ class MTPDrafter:
         else:
             carry = state.drafter["carry"]
         return dict(cache=tuple(caches), carry=carry), draft, jnp.asarray(k, jnp.int32)
+
+
+def _head_rows(params: dict, ids: jax.Array):
+    """The lm_head's columns of the tokens ids [N] as a linear weight [H, N] (the tied embedding's rows, transposed)."""
+    head = params.get("lm_head")
+    if head is None:
+        return jnp.take(params["embed"], ids, axis=0).T
+    if isinstance(head, Int4Weight):  # native layout: one row of codes and scales per output column
+        zeros = None if head.zeros is None else jnp.take(head.zeros, ids, axis=0)
+        return Int4Weight(jnp.take(head.packed, ids, axis=0), jnp.take(head.scales, ids, axis=0), zeros)
+    return jnp.take(head, ids, axis=1)
+
+
+def _draft_logits(params: dict, cfg: ModelConfig, row: jax.Array, own) -> jax.Array:
+    """float32 [V] logits the draft is chosen from, for one final-normed hidden row [H]: the lm_head's, or (a
+    drafter `over` some tokens) those tokens' logits and -inf elsewhere, so the argmax and the sampler's choice
+    (the same function as the target's) can only pick them."""
+    if own is None:
+        return logits_from_hidden(params, cfg, row[None])[0]
+    part = linear(row[None], own["lm_head"], out_dtype=jnp.float32)[0]
+    return jnp.full((cfg.vocab_size,), -jnp.inf, jnp.float32).at[own["ids"]].set(part)
 
 
 def _num_layers(params: dict, cfg: ModelConfig) -> int:
