@@ -9,8 +9,9 @@ still checks every draft against the whole vocabulary, so the tokens cannot chan
 Two parts, each saved as it ends:
 - demo (any device): the bundled demo-hybrid (trained MTP head) on benchmarks/demo_acceptance.py's edit and free
   prompts, MTP k = 1, 2, 3 over the whole vocabulary and over the N most frequent tokens of the demo's training
-  corpus (its train files, counted with its tokenizer): mean_accepted, the corpus share of those tokens, identity
-  with greedy.
+  corpus (its train files, counted with its tokenizer), and with --prompt-heads over N ids led by each prompt's
+  own tokens (the same N: the same executables): mean_accepted, the corpus share of those tokens, identity with
+  greedy.
 - shape (a GPU): random int4 weights at a bench shape (--shape qwen3.5), the on-device loop: greedy and MTP k over
   the whole vocabulary and over N tokens, ms per round against greedy's, identical tokens (a random head accepts
   nearly nothing: this part times the round), and the lm_head bytes a draft reads.
@@ -53,6 +54,12 @@ def ranked_tokens(tokenizer, vocab_size: int, corpus_mb: float) -> tuple[np.ndar
     return order, counts[order]
 
 
+def with_prompt(order: np.ndarray, prompt: list[int], n: int) -> np.ndarray:
+    """n token ids: the prompt's distinct tokens, then the most frequent others (order: ids by falling count)."""
+    own = np.unique(np.asarray(prompt))[:n]
+    return np.concatenate([own, order[~np.isin(order, own)][: n - own.size]])
+
+
 def head_bytes(params: dict, n: int | None = None) -> int:
     """Bytes of the lm_head (or of n of its columns) a draft reads."""
     head = params.get("lm_head", params["embed"])
@@ -76,10 +83,14 @@ def demo_part(args, out: dict, t0: float) -> None:
     )
     drafters = {"whole": jspec.MTPDrafter(), **{str(n): jspec.MTPDrafter.over(params, order[:n]) for n in sizes}}
     engines = {k: jspec.Engine(params, cfg, max_len=1024, k=k) for k in args.ks}
+    part["prompt_heads"] = args.prompt_heads
     pooled = collections.defaultdict(lambda: [0, 0])  # (k, head) -> [accepted, verify rounds]
     for cat, prompts in CATEGORIES.items():
         for name, text in prompts.items():
             ids = tok.encode(text).ids
+            if args.prompt_heads:  # per prompt, the same N (the same executables): its tokens, then the frequent
+                for n in sizes:
+                    drafters[f"{n}+prompt"] = jspec.MTPDrafter.over(params, with_prompt(order, ids, n))
             greedy = engines[args.ks[0]].generate(ids, args.max_new, eos_id=()).tokens
             for k, engine in engines.items():
                 for head, drafter in drafters.items():
@@ -132,6 +143,7 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,3")
     ap.add_argument("--sizes", default="256,512,1024,2048,4096", help="demo: drafted-token counts")
     ap.add_argument("--corpus-mb", type=float, default=20.0)
+    ap.add_argument("--prompt-heads", action="store_true", help="demo: also N ids led by each prompt's own tokens")
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--shape", default="qwen3.5")
     ap.add_argument("--shape-vocab", type=int, default=32768, help="shape: drafted tokens (the first ids)")
