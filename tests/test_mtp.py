@@ -412,8 +412,8 @@ def test_a_drafter_over_some_tokens_drafts_only_them():
 
 def test_a_drafter_over_tokens_takes_their_head_rows():
     """The copied head is the lm_head's columns of those tokens: an int4 lm_head's codes and scales, a dense one's
-    columns, a tied embedding's rows; bad token ids are refused by name."""
-    from jspec.drafters.mtp import _head_rows
+    columns, a tied embedding's rows; `prompt_first` puts the prompt's tokens first; bad token ids are refused."""
+    from jspec.drafters.mtp import _head_rows, prompt_first
     from jspec.models import quantize_linears
 
     params, cfg = mtp_model("qwen2", 1)
@@ -424,10 +424,14 @@ def test_a_drafter_over_tokens_takes_their_head_rows():
         rows = _head_rows(case, ids)
         got = dequantize(rows, jnp.float32) if isinstance(rows, Int4Weight) else rows
         assert np.array_equal(np.asarray(got), np.asarray(want)[:, np.asarray(ids)])
+    assert prompt_first([5, 5, 9, 2], np.arange(96), 6).tolist() == [5, 2, 9, 0, 1, 3]  # most repeated first
+    assert prompt_first([5, 5, 9, 2], np.arange(96), 2).tolist() == [5, 2]
+    with pytest.raises(ValueError, match="give 2 distinct tokens, not 3"):
+        prompt_first([1], [1, 4], 3)
     for bad, message in (
         ([], "non-empty"),
         ([1, 96], "token id 96 is outside the vocabulary 0..95"),
-        ([2, 2], "repeat"),
+        ([2, 2], "repeat an id"),
     ):
         with pytest.raises(ValueError, match=message):
             jspec.MTPDrafter.over(params, np.asarray(bad, np.int64))

@@ -37,6 +37,7 @@ from demo_acceptance import CATEGORIES, load_demo  # noqa: E402
 import checkpoints  # noqa: E402
 import jspec  # noqa: E402
 from checkpoints.train_demo import gather_corpus, python_roots  # noqa: E402
+from jspec.drafters.mtp import prompt_first  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
 from jspec_bench.shapes import model_config, random_int4_params  # noqa: E402
 from jspec_bench.timing import device_decode_rate  # noqa: E402
@@ -52,12 +53,6 @@ def ranked_tokens(tokenizer, vocab_size: int, corpus_mb: float) -> tuple[np.ndar
         counts += np.bincount(np.asarray(encoding.ids, np.int64), minlength=vocab_size)
     order = np.argsort(-counts, kind="stable")
     return order, counts[order]
-
-
-def with_prompt(order: np.ndarray, prompt: list[int], n: int) -> np.ndarray:
-    """n token ids: the prompt's distinct tokens, then the most frequent others (order: ids by falling count)."""
-    own = np.unique(np.asarray(prompt))[:n]
-    return np.concatenate([own, order[~np.isin(order, own)][: n - own.size]])
 
 
 def head_bytes(params: dict, n: int | None = None) -> int:
@@ -90,7 +85,7 @@ def demo_part(args, out: dict, t0: float) -> None:
             ids = tok.encode(text).ids
             if args.prompt_heads:  # per prompt, the same N (the same executables): its tokens, then the frequent
                 for n in sizes:
-                    drafters[f"{n}+prompt"] = jspec.MTPDrafter.over(params, with_prompt(order, ids, n))
+                    drafters[f"{n}+prompt"] = jspec.MTPDrafter.over(params, prompt_first(ids, order, n))
             greedy = engines[args.ks[0]].generate(ids, args.max_new, eos_id=()).tokens
             for k, engine in engines.items():
                 for head, drafter in drafters.items():

@@ -180,6 +180,23 @@ class MTPDrafter:
         return dict(cache=tuple(caches), carry=carry), draft, jnp.asarray(k, jnp.int32)
 
 
+def prompt_first(prompt_ids, ranked_ids, n: int) -> np.ndarray:
+    """n distinct token ids for `MTPDrafter.over`: the prompt's own tokens (the most repeated first), then the
+    highest-ranked others. ranked_ids: token ids by falling frequency in text like yours. Edits copy the prompt's
+    rare identifiers, which a frequency ranking misses: on the demo-hybrid's edit prompts, 512 of its 8192 tokens
+    chosen this way kept the whole vocabulary's acceptance, the 512 most frequent alone about half of it
+    (benchmarks/experiments/results/mtp_vocab_prompt_cpu.json). Every request gets the same n, so the same
+    executables."""
+    n = checks.integer(n, "prompt_first n", lo=1)
+    tokens, counts = np.unique(np.asarray(prompt_ids, np.int64), return_counts=True)
+    own = tokens[np.argsort(-counts, kind="stable")][:n]
+    ranked = np.asarray(ranked_ids, np.int64)
+    ids = np.concatenate([own, ranked[~np.isin(ranked, own)][: n - own.size]])
+    if ids.size < n or np.unique(ids).size != n:
+        raise ValueError(f"prompt_first: the prompt and ranked_ids give {np.unique(ids).size} distinct tokens, not {n}")
+    return ids
+
+
 def _head_rows(params: dict, ids: jax.Array):
     """The lm_head's columns of the tokens ids [N] as a linear weight [H, N] (the tied embedding's rows, transposed)."""
     head = params.get("lm_head")
