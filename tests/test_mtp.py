@@ -429,8 +429,8 @@ def test_a_drafter_over_tokens_takes_their_head_rows():
     with pytest.raises(ValueError, match="give 2 distinct tokens, not 3"):
         prompt_first([1], [1, 4], 3)
     for bad, message in (
-        ([], "non-empty"),
-        ([1, 96], "token id 96 is outside the vocabulary 0..95"),
+        ([], "token_ids is empty"),
+        ([1, 96], "token_ids: token id 96 at index 1 is out of range for vocab_size 96"),
         ([2, 2], "repeat an id"),
     ):
         with pytest.raises(ValueError, match=message):

@@ -2,9 +2,10 @@
 of a draft's cost.
 
 A draft of an MTP head is one decoder layer plus the lm_head, and at a large vocabulary the lm_head is the larger:
-at the Qwen3.5 shape (hidden 4096, vocab 248320, int4) it is 508 MB against the layer's ~0.2 GB, read once per
-drafted token. `MTPDrafter.over(params, ids)` drafts from the ids' rows only (FR-Spec, arXiv:2502.14856); verify
-still checks every draft against the whole vocabulary, so the tokens cannot change, only the acceptance.
+at the Qwen3.5 shape (hidden 4096, vocab 248320, int4) it is 572 MB (codes and scales) against about 0.1 GB for the
+layer, read once per drafted token. `MTPDrafter.over(params, ids)` drafts from the ids' rows only (FR-Spec,
+arXiv:2502.14856); verify still checks every draft against the whole vocabulary, so the tokens cannot change, only
+the acceptance.
 
 Two parts, each saved as it ends:
 - demo (any device): the bundled demo-hybrid (trained MTP head) on benchmarks/demo_acceptance.py's edit and free
@@ -39,9 +40,8 @@ import jspec  # noqa: E402
 from checkpoints.train_demo import gather_corpus, python_roots  # noqa: E402
 from jspec.drafters.mtp import prompt_first  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
-from jspec_bench.shapes import model_config, random_int4_params  # noqa: E402
+from jspec_bench.shapes import model_config, random_int4_params, tree_nbytes  # noqa: E402
 from jspec_bench.timing import device_decode_rate  # noqa: E402
-from pallas_kernels import Int4Weight  # noqa: E402
 
 
 def ranked_tokens(tokenizer, vocab_size: int, corpus_mb: float) -> tuple[np.ndarray, np.ndarray]:
@@ -55,12 +55,10 @@ def ranked_tokens(tokenizer, vocab_size: int, corpus_mb: float) -> tuple[np.ndar
     return order, counts[order]
 
 
-def head_bytes(params: dict, n: int | None = None) -> int:
-    """Bytes of the lm_head (or of n of its columns) a draft reads."""
-    head = params.get("lm_head", params["embed"])
-    size = head.nbytes if isinstance(head, Int4Weight) else head.size * head.dtype.itemsize
-    vocab = head.shape[1] if "lm_head" in params else head.shape[0]
-    return size if n is None else size * n // vocab
+def head_bytes(params: dict, drafter: jspec.MTPDrafter) -> int:
+    """Bytes of the lm_head a draft of `drafter` reads: the whole head's, or the copy of `MTPDrafter.over`."""
+    head = params.get("lm_head", params["embed"]) if drafter.weights is None else drafter.weights["lm_head"]
+    return tree_nbytes(head)
 
 
 def demo_part(args, out: dict, t0: float) -> None:
@@ -72,14 +70,14 @@ def demo_part(args, out: dict, t0: float) -> None:
         vocab_size=cfg.vocab_size,
         corpus_tokens=int(total),
         corpus_share={str(n): float(counts[:n].sum() / total) for n in sizes},
-        head_bytes_per_draft={"whole": head_bytes(params), **{str(n): head_bytes(params, n) for n in sizes}},
         max_new=args.max_new,
         runs={},
     )
     drafters = {"whole": jspec.MTPDrafter(), **{str(n): jspec.MTPDrafter.over(params, order[:n]) for n in sizes}}
+    part["head_bytes_per_draft"] = {head: head_bytes(params, drafter) for head, drafter in drafters.items()}
     engines = {k: jspec.Engine(params, cfg, max_len=1024, k=k) for k in args.ks}
     part["prompt_heads"] = args.prompt_heads
-    pooled = collections.defaultdict(lambda: [0, 0])  # (k, head) -> [accepted, verify rounds]
+    pooled = collections.defaultdict(lambda: [0, 0])  # (cat, k, head) -> [accepted, verify rounds]
     for cat, prompts in CATEGORIES.items():
         for name, text in prompts.items():
             ids = tok.encode(text).ids
@@ -110,7 +108,6 @@ def shape_part(args, out: dict, t0: float) -> None:
         model=args.shape,
         vocab_size=cfg.vocab_size,
         drafted_tokens=n,
-        head_bytes_per_draft={"whole": head_bytes(params), str(n): head_bytes(params, n)},
         runs={},
     )
     rng = np.random.default_rng(0)
@@ -120,6 +117,7 @@ def shape_part(args, out: dict, t0: float) -> None:
     greedy, part["runs"]["greedy"] = device_decode_rate(engines[args.ks[0]], prompt, args.max_new, args.repeats)
     save_experiment(out, args.out, t0)
     drafters = {"whole": jspec.MTPDrafter(), str(n): jspec.MTPDrafter.over(params, np.arange(n))}
+    part["head_bytes_per_draft"] = {head: head_bytes(params, drafter) for head, drafter in drafters.items()}
     for k, engine in engines.items():
         for head, drafter in drafters.items():
             tokens, r = device_decode_rate(engine, prompt, args.max_new, args.repeats, drafter=drafter)

@@ -75,15 +75,10 @@ class MTPDrafter:
         if (table.packed if isinstance(table, Int4Weight) else table).ndim != 2:  # stacked on a mesh: 3
             raise ValueError("MTPDrafter.over needs the model's unsharded params (build it before sharding them)")
         vocab_size = table.shape[0] if head is None else table.shape[1]
-        ids = np.asarray(token_ids)
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"MTPDrafter.over: token_ids must be a non-empty 1-D list of token ids, got {ids.shape}")
-        bad = ids[(ids < 0) | (ids >= vocab_size)]
-        if bad.size:
-            raise ValueError(f"MTPDrafter.over: token id {int(bad[0])} is outside the vocabulary 0..{vocab_size - 1}")
+        ids = checks.token_ids(token_ids, "MTPDrafter.over token_ids", vocab_size)
         if np.unique(ids).size != ids.size:
             raise ValueError("MTPDrafter.over: token_ids repeat an id; give each token once")
-        ids = jnp.asarray(ids, jnp.int32)
+        ids = jnp.asarray(ids)
         return cls(k, coupled, dict(lm_head=_head_rows(params, ids), ids=ids))
 
     def init(self, params: dict, cfg: ModelConfig, state: DecodeState, own=None):
