@@ -10,9 +10,9 @@ the acceptance.
 Two parts, each saved as it ends:
 - demo (any device): the bundled demo-hybrid (trained MTP head) on benchmarks/demo_acceptance.py's edit and free
   prompts, MTP k = 1, 2, 3 over the whole vocabulary and over the N most frequent tokens of the demo's training
-  corpus (its train files, counted with its tokenizer), and with --prompt-heads over N ids led by each prompt's
-  own tokens (the same N: the same executables): mean_accepted, the corpus share of those tokens, identity with
-  greedy.
+  corpus (its train files, counted with its tokenizer; with --rank ids the N lowest ids, as a user without a corpus
+  would rank them), and with --prompt-heads over N ids led by each prompt's own tokens (the same N: the same
+  executables): mean_accepted, the corpus share of those tokens, identity with greedy.
 - shape (a GPU): random int4 weights at a bench shape (--shape qwen3.5), the on-device loop: greedy and MTP k over
   the whole vocabulary and over N tokens, ms per round against greedy's, identical tokens (a random head accepts
   nearly nothing: this part times the round), and the lm_head bytes a draft reads.
@@ -64,10 +64,14 @@ def head_bytes(params: dict, drafter: jspec.MTPDrafter) -> int:
 def demo_part(args, out: dict, t0: float) -> None:
     params, cfg, tok = load_demo(checkpoints.demo_hybrid_dir())
     order, counts = ranked_tokens(tok, cfg.vocab_size, args.corpus_mb)
+    if args.rank == "ids":  # no corpus: the lowest ids (a BPE vocabulary's earliest merges), their corpus counts
+        counts = np.bincount(order, weights=counts, minlength=cfg.vocab_size).astype(np.int64)
+        order = np.arange(cfg.vocab_size)
     total = counts.sum()
     sizes = [n for n in args.sizes if n < cfg.vocab_size]
     part = out["demo"] = dict(
         vocab_size=cfg.vocab_size,
+        rank=args.rank,
         corpus_tokens=int(total),
         corpus_share={str(n): float(counts[:n].sum() / total) for n in sizes},
         max_new=args.max_new,
@@ -137,6 +141,12 @@ def main() -> None:
     ap.add_argument("--sizes", default="256,512,1024,2048,4096", help="demo: drafted-token counts")
     ap.add_argument("--corpus-mb", type=float, default=20.0)
     ap.add_argument("--prompt-heads", action="store_true", help="demo: also N ids led by each prompt's own tokens")
+    ap.add_argument(
+        "--rank",
+        choices=("corpus", "ids"),
+        default="corpus",
+        help="demo: the tokens' order: by count in the demo's corpus, or by id (no corpus needed)",
+    )
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--shape", default="qwen3.5")
     ap.add_argument("--shape-vocab", type=int, default=32768, help="shape: drafted tokens (the first ids)")
