@@ -93,11 +93,16 @@ def _draft_checkpoint(args, path: str) -> str | None:
     return checkpoints_package().drafter_dir()
 
 
-def _drafter(args, draft_path: str | None):
+def _drafter(args, draft_path: str | None, params: dict, prompt: list[int], vocab_size: int):
+    import numpy as np
+
     import jspec
+    from jspec.drafters.mtp import prompt_first
 
     if args.drafter == "draft-model":
         return jspec.DraftModel.load(draft_path)
+    if args.mtp_vocab:  # the prompt's tokens, then the lowest ids: a BPE vocabulary's earliest merges
+        return jspec.MTPDrafter.over(params, prompt_first(prompt, np.arange(vocab_size), args.mtp_vocab))
     return {"none": None, "prompt-lookup": jspec.PromptLookup(), "mtp": jspec.MTPDrafter()}[args.drafter]
 
 
@@ -113,6 +118,13 @@ def _plan(args, path: str):
     cfg = checkpoint_config(path)
     if args.drafter == "mtp" and not cfg.num_mtp_layers:
         raise CliError(f"--drafter mtp needs a checkpoint with an MTP head; {path} has none")
+    if args.mtp_vocab and args.drafter != "mtp":
+        raise CliError("--mtp-vocab is the token count of --drafter mtp's drafts")
+    if args.mtp_vocab and args.mtp_vocab >= cfg.vocab_size:
+        raise CliError(
+            f"--mtp-vocab {args.mtp_vocab} is not below the vocabulary's {cfg.vocab_size} tokens (leave it out to "
+            "draft from all of them)"
+        )
     file = Path(path) / "tokenizer.json"
     if not file.exists():
         raise CliError(f"no tokenizer.json in {path} (needed to turn text into tokens)")
@@ -164,7 +176,7 @@ def cmd_generate(args) -> int:
         raise CliError("--dtype and --quantize apply to HuggingFace checkpoints; this one is already converted")
     sampler = _sampler(args)
     draft_path = _draft_checkpoint(args, path)
-    _, _, prompt, max_len = _plan(args, path)
+    cfg, _, prompt, max_len = _plan(args, path)
     model = jspec.load(path, dtype=args.dtype, quantize=args.quantize) if hf else jspec.load(path)
     engine = model.engine(max_len, args.k)
     if len(prompt) > 4 * engine.prefill_chunk and not args.json:
@@ -177,13 +189,14 @@ def cmd_generate(args) -> int:
         on_device=args.on_device,
         sampler=sampler,
     )
-    drafter = _drafter(args, draft_path)
+    drafter = _drafter(args, draft_path, model.params, prompt, cfg.vocab_size)
     engine.settings(drafter=drafter, gate=run["gate"], sampler=sampler)  # a draft model's vocabulary, before output
     text = read_prompt(args)
     out = {
         "checkpoint": path,
         "prompt_tokens": len(prompt),
         "drafter": args.drafter,
+        "mtp_vocab": args.mtp_vocab,
         "k": args.k,
         "compile_cache": cache,
     }
@@ -227,7 +240,8 @@ def cmd_generate(args) -> int:
         if args.compare_greedy
         else f"compile (or load) + first run {first_call_s:.2f} s"
     )
-    print(f"{path}  drafter={args.drafter} k={args.k}  {timing}")
+    over = f" over {args.mtp_vocab} tokens" if args.mtp_vocab else ""
+    print(f"{path}  drafter={args.drafter}{over} k={args.k}  {timing}")
     print(result.stats.summary())
     if args.compare_greedy:
         same = "yes" if out["greedy_identical"] else "NO"
@@ -293,6 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", choices=DRAFTERS, default="prompt-lookup")
     g.add_argument(
         "--draft-checkpoint", help="the draft model of --drafter draft-model (default: the demo model's bundled one)"
+    )
+    g.add_argument(
+        "--mtp-vocab",
+        type=positive(),
+        metavar="N",
+        help="--drafter mtp drafts from N tokens only: the prompt's, then the lowest ids (a BPE vocabulary's "
+        "earliest merges); a draft reads N rows of the lm_head, not all; verify checks the whole vocabulary, so the "
+        "tokens do not change",
     )
     g.add_argument("--k", type=positive(1, ROW_TILE - 1), default=4, help=f"draft tokens per verify step "
                    f"(1..{ROW_TILE - 1})")  # fmt: skip

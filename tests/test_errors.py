@@ -235,6 +235,12 @@ CLI_CASES = {
     "max-len too short": (["--max-len", "8"], "exceeds --max-len 8"),
     "huge request": (["--max-new-tokens", "100000000000"], "needs .* GiB"),
     "mtp without a head": (["--checkpoint", "{no_mtp}", "--drafter", "mtp"], "needs a checkpoint with an MTP head"),
+    "mtp-vocab 0": (["--mtp-vocab", "0"], "--mtp-vocab: must be >= 1, got 0"),
+    "mtp-vocab without mtp": (["--mtp-vocab", "64"], "--mtp-vocab is the token count of --drafter mtp's drafts"),
+    "mtp-vocab of the whole vocabulary": (
+        ["--model", "demo-hybrid", "--drafter", "mtp", "--mtp-vocab", "8192"],
+        "--mtp-vocab 8192 is not below the vocabulary's 8192 tokens",
+    ),
     "config only": (["--checkpoint", "{config_only}"], "no model.safetensors or model.safetensors.index.json"),
     "pickle only": (["--checkpoint", "{pickle_only}"], "only pickle weights"),
     "missing shard": (["--checkpoint", "{missing_shard}"], "model-00001.safetensors listed in .* does not exist"),
@@ -288,12 +294,16 @@ def test_cli_compare_greedy_times_warmed_runs(capsys):
 
 def test_cli_generates_with_the_bundled_hybrid_and_its_mtp_head(capsys):
     """`--model demo-hybrid` (an alias of --checkpoint) runs the bundled Gated DeltaNet hybrid; its MTP head drafts
-    and the tokens are greedy's; `jspec.load("demo-hybrid")` is the same checkpoint."""
+    and the tokens are greedy's, from the whole vocabulary and from 2048 of its 8192 tokens (`--mtp-vocab`);
+    `jspec.load("demo-hybrid")` is the same checkpoint."""
     argv = ["generate", "--model", "demo-hybrid", "--prompt", "def add(a, b):", "--max-new-tokens", "12"]
     assert cli.main([*argv, "--drafter", "mtp", "--k", "2", "--compare-greedy", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["checkpoint"].endswith("demo_hybrid") and out["stats"]["verify_steps"] > 0
     assert out["greedy_identical"] and out["stats"]["accepted"] > 0
+    assert cli.main([*argv, "--drafter", "mtp", "--k", "2", "--mtp-vocab", "2048", "--json"]) == 0
+    over = json.loads(capsys.readouterr().out)
+    assert over["mtp_vocab"] == 2048 and over["tokens"] == out["tokens"] and over["stats"]["accepted"] > 0
     model = jspec.load("demo-hybrid")
     assert model.cfg.family == "qwen3_5" and model.cfg.num_mtp_layers == 1 and model.path == out["checkpoint"]
 
