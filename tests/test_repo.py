@@ -1,11 +1,14 @@
-"""Repository invariants: CI runs exactly the README's test command; the CLI parses."""
+"""Repository invariants: CI runs exactly the README's test command; the README's main command prints what the README
+shows; the CLI parses."""
 
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
+from jspec import cli
 from jspec.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +29,25 @@ def test_ci_runs_the_readme_test_command():
 def test_readme_main_command_runs_jspec_generate_on_the_default_model():
     command = _readme_command("main-command")
     assert "jspec generate" in command and "--checkpoint" not in command
+
+
+def test_readme_shows_what_the_main_command_prints(capsys):
+    """The README's sample output of its main command: the continuation's first lines, and after the rule every line
+    of the stats (the bundled model on the CPU is deterministic; only the seconds and tok/s are masked)."""
+    command = shlex.split(_readme_command("main-command").split("&&")[-1])
+    assert command[0].endswith("jspec") and command[1] == "generate"
+    text = (ROOT / "README.md").read_text()
+    after = text[text.index("<!-- main-command -->") :]
+    sample = re.findall(r"^```[a-z]*\n(.*?)^```", after, re.S | re.M)[1].splitlines()  # the block after the command
+    assert cli.main(command[1:]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    elided, rule = sample.index("    …"), sample.index("-" * 72)
+    assert printed[:elided] == sample[:elided]
+
+    def masked(line: str) -> str:
+        return re.sub(r"\d+\.\d+(?= s\b| tok/s)", "T", line.replace(str(ROOT), "…"))
+
+    assert [masked(line) for line in printed[printed.index("-" * 72) :]] == [masked(x) for x in sample[rule:]]
 
 
 def test_cli_parses_generate():
