@@ -93,7 +93,7 @@ def _draft_checkpoint(args, path: str) -> str | None:
     return checkpoints_package().drafter_dir()
 
 
-def _drafter(args, draft_path: str | None, params: dict, prompt: list[int], vocab_size: int):
+def _drafter(args, draft_path: str | None, model, prompt: list[int]):
     import numpy as np
 
     import jspec
@@ -102,7 +102,8 @@ def _drafter(args, draft_path: str | None, params: dict, prompt: list[int], voca
     if args.drafter == "draft-model":
         return jspec.DraftModel.load(draft_path)
     if args.mtp_vocab:  # the prompt's tokens, then the lowest ids: a BPE vocabulary's earliest merges
-        return jspec.MTPDrafter.over(params, prompt_first(prompt, np.arange(vocab_size), args.mtp_vocab))
+        ids = prompt_first(prompt, np.arange(model.cfg.vocab_size), args.mtp_vocab)
+        return jspec.MTPDrafter.over(model.params, ids)
     return {"none": None, "prompt-lookup": jspec.PromptLookup(), "mtp": jspec.MTPDrafter()}[args.drafter]
 
 
@@ -176,7 +177,7 @@ def cmd_generate(args) -> int:
         raise CliError("--dtype and --quantize apply to HuggingFace checkpoints; this one is already converted")
     sampler = _sampler(args)
     draft_path = _draft_checkpoint(args, path)
-    cfg, _, prompt, max_len = _plan(args, path)
+    _, _, prompt, max_len = _plan(args, path)
     model = jspec.load(path, dtype=args.dtype, quantize=args.quantize) if hf else jspec.load(path)
     engine = model.engine(max_len, args.k)
     if len(prompt) > 4 * engine.prefill_chunk and not args.json:
@@ -189,7 +190,7 @@ def cmd_generate(args) -> int:
         on_device=args.on_device,
         sampler=sampler,
     )
-    drafter = _drafter(args, draft_path, model.params, prompt, cfg.vocab_size)
+    drafter = _drafter(args, draft_path, model, prompt)
     engine.settings(drafter=drafter, gate=run["gate"], sampler=sampler)  # a draft model's vocabulary, before output
     text = read_prompt(args)
     out = {
