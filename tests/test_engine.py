@@ -79,12 +79,15 @@ def test_generate_on_device_inside_user_jit():
 
 
 def test_engine_compiles_with_jspec_compiler_options(monkeypatch):
-    """The Engine's executables get `jspec.compiler_options()` (launch options on a GPU, none elsewhere): an option
-    name XLA does not know fails the compile with XLA's own error, never silently."""
+    """The Engine's executables get `jspec.compiler_options()` (on a GPU: launches, no autotuning; none elsewhere):
+    an option name XLA does not know fails the compile with XLA's own error, never silently."""
     from jspec import engine as engine_module
 
     assert jspec.compiler_options("cpu") is None
     assert jspec.compiler_options("gpu") == engine_module.GPU_COMPILER_OPTIONS
+    # XLA's default would autotune prefill's products per process (rule 10); every name is one XLA knows
+    assert engine_module.GPU_COMPILER_OPTIONS["xla_gpu_autotune_level"] == 0
+    jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(compiler_options=engine_module.GPU_COMPILER_OPTIONS)
     eng = engine()
     fresh = jspec.Engine(eng.params, eng.cfg, max_len=MAX_LEN, k=4)
     monkeypatch.setattr(engine_module, "compiler_options", lambda: {"xla_jspec_no_such_option": 1})

@@ -1,0 +1,118 @@
+"""What pinning XLA's autotuner off costs: prefill and decode with `xla_gpu_autotune_level` 0 (shipped, rule 10)
+against XLA's default level 4, one process, interleaved.
+
+Why it is pinned: prefill's products (and the Gated DeltaNet chunked recurrence's float32 dots) are XLA's own, and
+with autotuning on XLA picks their cuBLAS algorithm or Triton tiling by timing them when it compiles, so the same
+prompt can leave different prefill bits, and so different tokens, from one process to the next
+(`prefill_determinism.py`; docs/exactness.md). Level 0 takes XLA's default choice instead, the same in every process.
+Decode and verify run jspec's own kernels for every product, so they should not care; this measures it.
+
+Per model (random int4 at a bench shape, `jspec_bench.shapes`): two Engines over the same params, one compiled with
+the shipped `jspec.compiler_options()`, one with `xla_gpu_autotune_level` 4; for each, the compile (first call)
+seconds; then `--repeats` rounds, each running both (alternating which goes first) on a `--prompt`-token prompt:
+time to first token (`generate(prompt, 1)`) and the decode tok/s of `generate(prompt, new)` excluding its prefill
+(new - 1 tokens over the wall minus that repeat's time to first token), and the greedy tokens' digest.
+
+    python3 benchmarks/experiments/autotune_cost.py --commit SHA --out $OUT/autotune_cost_h200.json
+    python3 benchmarks/experiments/autotune_cost.py --quick --out /tmp/autotune_cost_cpu.json   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repo root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: jspec_bench
+
+import numpy as np  # noqa: E402
+
+import jspec  # noqa: E402
+from jspec import engine as engine_module  # noqa: E402
+from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
+from jspec_bench.shapes import model_config, random_int4_params  # noqa: E402
+
+VARIANTS = {"pinned": {}, "autotuned": {"xla_gpu_autotune_level": 4}}  # added to the shipped GPU options
+
+
+@contextlib.contextmanager
+def gpu_options(extra: dict):
+    """The Engine's GPU compiler options with `extra` on top while the block compiles."""
+    saved = dict(engine_module.GPU_COMPILER_OPTIONS)
+    engine_module.GPU_COMPILER_OPTIONS.update(extra)
+    try:
+        yield
+    finally:
+        engine_module.GPU_COMPILER_OPTIONS.clear()
+        engine_module.GPU_COMPILER_OPTIONS.update(saved)
+
+
+def digest(tokens: list[int]) -> str:
+    return hashlib.sha256(np.int32(tokens).tobytes()).hexdigest()[:16]
+
+
+def measure(name: str, args) -> dict:
+    cfg = model_config(name, args.quick)
+    params = random_int4_params(cfg, 0, True)
+    prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, args.prompt).astype(np.int32)
+    engines, out = {}, {"variants": {}}
+    for variant, extra in VARIANTS.items():
+        engines[variant] = jspec.Engine(params, cfg, max_len=args.prompt + args.new + 16)
+        with gpu_options(extra):
+            t0 = time.perf_counter()
+            engines[variant].generate(prompt, args.new, eos_id=())  # compiles start, prefill, first, decode
+            out["variants"][variant] = {"compile_and_first_call_s": time.perf_counter() - t0, "trials": []}
+        print(name, variant, f"compile + first call {out['variants'][variant]['compile_and_first_call_s']:.1f} s")
+    for r in range(args.repeats):
+        for variant in list(VARIANTS)[:: 1 if r % 2 == 0 else -1]:
+            engine = engines[variant]
+            t0 = time.perf_counter()
+            engine.generate(prompt, 1, eos_id=())
+            ttft = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            tokens = engine.generate(prompt, args.new, eos_id=()).tokens
+            decode_s = time.perf_counter() - t0 - ttft
+            trial = dict(ttft_s=ttft, decode_tok_s=(args.new - 1) / decode_s, tokens=digest(tokens))
+            out["variants"][variant]["trials"].append(trial)
+    for variant, v in out["variants"].items():
+        v["ttft_s"] = statistics.median(t["ttft_s"] for t in v["trials"])
+        v["decode_tok_s"] = statistics.median(t["decode_tok_s"] for t in v["trials"])
+        v["deterministic_in_process"] = len({t["tokens"] for t in v["trials"]}) == 1
+        print(name, variant, {k: v[k] for k in ("ttft_s", "decode_tok_s", "deterministic_in_process")})
+    pinned, tuned = out["variants"]["pinned"], out["variants"]["autotuned"]
+    out["pinned_vs_autotuned"] = dict(
+        ttft=pinned["ttft_s"] / tuned["ttft_s"],
+        decode_tok_s=pinned["decode_tok_s"] / tuned["decode_tok_s"],
+        same_tokens=pinned["trials"][0]["tokens"] == tuned["trials"][0]["tokens"],
+    )
+    print(name, "pinned / autotuned", out["pinned_vs_autotuned"], flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--models", default="qwen3.5,llama-3-8b")
+    ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
+    ap.add_argument("--new", type=int, default=65, help="new tokens of the decode timing")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run: the tiny shrunk shapes")
+    args = ap.parse_args()
+    if args.quick:
+        args.prompt, args.new, args.repeats = 40, 5, 2
+    t0 = time.perf_counter()
+    out = dict(meta=experiment_meta(args.commit, prompt=args.prompt, new=args.new, options=jspec.compiler_options()))
+    out["models"] = {}
+    for name in args.models.split(","):
+        out["models"][name] = measure(name, args)
+        save_experiment(out, args.out, t0)
+
+
+if __name__ == "__main__":
+    main()
