@@ -1,17 +1,20 @@
-"""What pinning XLA's autotuner off costs: prefill and decode with `xla_gpu_autotune_level` 0 (shipped, rule 10)
-against XLA's default level 4, one process, interleaved.
+"""XLA's autotuner and prefill: time to first token and decode tok/s of the Engine compiled with the shipped
+options against variants that take XLA's autotuner out, one process, interleaved.
 
-Why it is pinned: prefill's products (and the Gated DeltaNet chunked recurrence's float32 dots) are XLA's own, and
-with autotuning on XLA picks their cuBLAS algorithm or Triton tiling by timing them when it compiles, so the same
-prompt can leave different prefill bits, and so different tokens, from one process to the next
-(`prefill_determinism.py`; docs/exactness.md). Level 0 takes XLA's default choice instead, the same in every process.
-Decode and verify run jspec's own kernels for every product, so they should not care; this measures it.
+Why: prefill's products (and the Gated DeltaNet chunked recurrence's float32 dots) are XLA's own, and with
+autotuning on XLA picks their Triton tiling or cuBLAS algorithm by timing them when it compiles, so the same prompt
+can leave different prefill bits, and so different tokens, from one process to the next (`prefill_determinism.py`;
+docs/exactness.md). Decode and verify run jspec's own kernels for every product.
 
-Per model (random int4 at a bench shape, `jspec_bench.shapes`): two Engines over the same params, one compiled with
-the shipped `jspec.compiler_options()`, one with `xla_gpu_autotune_level` 4; for each, the compile (first call)
-seconds; then `--repeats` rounds, each running both (alternating which goes first) on a `--prompt`-token prompt:
-time to first token (`generate(prompt, 1)`) and the decode tok/s of `generate(prompt, new)` excluding its prefill
-(new - 1 tokens over the wall minus that repeat's time to first token), and the greedy tokens' digest.
+Per model (random int4 at a bench shape, `jspec_bench.shapes`): one Engine per variant (`VARIANTS`, added to
+`jspec.compiler_options()`) over the same params, its compile (first call) seconds; then `--repeats` rounds, each
+running every variant (the order reversed every other round) on a `--prompt`-token prompt: time to first token
+(`generate(prompt, 1)`), the decode tok/s of `generate(prompt, new)` excluding its prefill (new - 1 tokens over the
+wall minus that round's time to first token), and the greedy tokens' digest.
+
+Runs: experiments/results/autotune_cost_qwen35_h100.json, ..._llama3_8b_h100.json (d44e48b, where the shipped
+options pinned xla_gpu_autotune_level 0, against level 4: XLA's default): at a 4096-token prompt the pin made time to
+first token 7.6x (Qwen3.5) and 10.7x (Llama-3-8B) longer, decode the same (0.98x, 1.01x); reverted.
 
     python3 benchmarks/experiments/autotune_cost.py --commit SHA --out $OUT/autotune_cost_h200.json
     python3 benchmarks/experiments/autotune_cost.py --quick --out /tmp/autotune_cost_cpu.json   # CPU smoke
@@ -37,7 +40,12 @@ from jspec import engine as engine_module  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
 from jspec_bench.shapes import model_config, random_int4_params  # noqa: E402
 
-VARIANTS = {"pinned": {}, "autotuned": {"xla_gpu_autotune_level": 4}}  # added to the shipped GPU options
+NO_AUTOTUNE = {"xla_gpu_autotune_level": 0}
+VARIANTS = {  # added to the shipped GPU options (XLA's default autotune level: 4)
+    "shipped": {},
+    "autotune0": NO_AUTOTUNE,  # XLA's default Triton GEMM tiling for every product
+    "autotune0_cublas": NO_AUTOTUNE | {"xla_gpu_enable_triton_gemm": False},  # cuBLAS's heuristic algorithm
+}
 
 
 @contextlib.contextmanager
@@ -61,7 +69,8 @@ def measure(name: str, args) -> dict:
     params = random_int4_params(cfg, 0, True)
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, args.prompt).astype(np.int32)
     engines, out = {}, {"variants": {}}
-    for variant, extra in VARIANTS.items():
+    variants = {v: VARIANTS[v] for v in args.variants.split(",")}
+    for variant, extra in variants.items():
         engines[variant] = jspec.Engine(params, cfg, max_len=args.prompt + args.new + 16)
         with gpu_options(extra):
             t0 = time.perf_counter()
@@ -69,7 +78,7 @@ def measure(name: str, args) -> dict:
             out["variants"][variant] = {"compile_and_first_call_s": time.perf_counter() - t0, "trials": []}
         print(name, variant, f"compile + first call {out['variants'][variant]['compile_and_first_call_s']:.1f} s")
     for r in range(args.repeats):
-        for variant in list(VARIANTS)[:: 1 if r % 2 == 0 else -1]:
+        for variant in list(variants)[:: 1 if r % 2 == 0 else -1]:
             engine = engines[variant]
             t0 = time.perf_counter()
             engine.generate(prompt, 1, eos_id=())
@@ -84,13 +93,17 @@ def measure(name: str, args) -> dict:
         v["decode_tok_s"] = statistics.median(t["decode_tok_s"] for t in v["trials"])
         v["deterministic_in_process"] = len({t["tokens"] for t in v["trials"]}) == 1
         print(name, variant, {k: v[k] for k in ("ttft_s", "decode_tok_s", "deterministic_in_process")})
-    pinned, tuned = out["variants"]["pinned"], out["variants"]["autotuned"]
-    out["pinned_vs_autotuned"] = dict(
-        ttft=pinned["ttft_s"] / tuned["ttft_s"],
-        decode_tok_s=pinned["decode_tok_s"] / tuned["decode_tok_s"],
-        same_tokens=pinned["trials"][0]["tokens"] == tuned["trials"][0]["tokens"],
-    )
-    print(name, "pinned / autotuned", out["pinned_vs_autotuned"], flush=True)
+    shipped = out["variants"]["shipped"]
+    out["vs_shipped"] = {
+        variant: dict(
+            ttft=v["ttft_s"] / shipped["ttft_s"],
+            decode_tok_s=v["decode_tok_s"] / shipped["decode_tok_s"],
+            same_tokens=v["trials"][0]["tokens"] == shipped["trials"][0]["tokens"],
+        )
+        for variant, v in out["variants"].items()
+        if variant != "shipped"
+    }
+    print(name, "against shipped", out["vs_shipped"], flush=True)
     return out
 
 
@@ -102,6 +115,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
     ap.add_argument("--new", type=int, default=65, help="new tokens of the decode timing")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {list(VARIANTS)}, shipped first")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: the tiny shrunk shapes")
     args = ap.parse_args()
     if args.quick:
