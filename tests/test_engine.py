@@ -79,12 +79,14 @@ def test_generate_on_device_inside_user_jit():
 
 
 def test_engine_compiles_with_jspec_compiler_options(monkeypatch):
-    """The Engine's executables get `jspec.compiler_options()` (launch options on a GPU, none elsewhere): an option
-    name XLA does not know fails the compile with XLA's own error, never silently."""
+    """The Engine's executables get `jspec.compiler_options()` (on a GPU: launches, no autotuning; none elsewhere):
+    an option name XLA does not know fails the compile with XLA's own error, never silently."""
     from jspec import engine as engine_module
 
     assert jspec.compiler_options("cpu") is None
     assert jspec.compiler_options("gpu") == engine_module.GPU_COMPILER_OPTIONS
+    # prefill's products are never autotuned (rule 10: the same bits in every process)
+    assert engine_module.GPU_COMPILER_OPTIONS["xla_gpu_autotune_level"] == 0
     # every name is one XLA knows (XLA:CPU takes the GPU's debug options too)
     jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(compiler_options=engine_module.GPU_COMPILER_OPTIONS)
     eng = engine()
