@@ -46,12 +46,12 @@ from pallas_kernels import ROW_TILE, get_backend
 from pallas_kernels.prepare import prepare_params, prepared_nbytes, resolve_prepare, ws_prep_nbytes
 
 ROUNDS_PER_CALL = 16  # the host loop's rounds per device call (Engine.generate's rounds_per_call)
-# XLA options for the executables on a GPU: launch every run of ops, however short, and the on-device loop's
-# while / conditional, as CUDA graphs (command buffers). They change how kernels are launched, never what they
-# compute. A step is ~550 small kernels, so launches matter: on the H200 (Llama-3-8B shape) greedy ran 350 vs 322
-# tok/s on device and 326 vs 304 in the host loop (docs/performance.md, history). And XLA's own products (prefill's)
-# on cuBLAS with its heuristic algorithm, never autotuned: XLA would pick each one's Triton tiling or cuBLAS algorithm
-# by timing it while compiling, and one prompt's prefill bits, so its tokens, changed from process to process
+# XLA options for the executables on a GPU. CUDA graphs (command buffers) for every run of ops, however short, and
+# for the on-device loop's while / conditional: they change how kernels are launched, never what they compute, and a
+# step is ~550 small kernels, so launches matter: on the H200 (Llama-3-8B shape) greedy ran 350 vs 322 tok/s on
+# device and 326 vs 304 in the host loop (docs/performance.md, history). And XLA's own products (prefill's) on
+# cuBLAS with its heuristic algorithm, never autotuned: XLA would pick each one's Triton tiling or cuBLAS algorithm by
+# timing it while compiling, and one prompt's prefill bits, so its tokens, changed from process to process
 # (docs/design.md, rule 10; docs/exactness.md). Autotuning off alone leaves XLA's default Triton tiling, 7.6-10.7x
 # slower prefill on the H100; with cuBLAS, prefill took 0.95x the autotuned time (Qwen3.5, 4096 tokens).
 GPU_COMPILER_OPTIONS = {
