@@ -124,7 +124,7 @@ def main() -> None:
     if args.quick:
         args.prompt, args.new, args.repeats = 40, 5, 2
     t0 = time.perf_counter()
-    out = dict(meta=experiment_meta(args.commit, prompt=args.prompt, new=args.new, options=jspec.compiler_options()))
+    out = dict(meta=experiment_meta(args.commit, prompt=args.prompt, new=args.new))
     out["models"] = {}
     for name in args.models.split(","):
         out["models"][name] = measure(name, args)

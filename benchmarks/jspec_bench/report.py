@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from jspec.engine import compiler_options
 from pallas_kernels import get_backend
 
 if TYPE_CHECKING:
@@ -107,14 +108,15 @@ class Context:
 
 def experiment_meta(commit: str, **fields) -> dict:
     """The meta block of an experiment's JSON (benchmarks/experiments/): the commit the caller names, the jax
-    version, the device, the date, the process's CUDA_* / XLA_* / NCCL_* / TF_CPP_* environment, then the
-    experiment's own fields."""
+    version, the device, the date, the process's CUDA_* / XLA_* / NCCL_* / TF_CPP_* environment, the Engine's compiler
+    options (`jspec.compiler_options()`), then the experiment's own fields."""
     return {
         "commit": commit,
         "jax": jax.__version__,
         "device": jax.devices()[0].device_kind,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("CUDA_", "XLA_", "NCCL_", "TF_CPP_"))},
+        "compiler_options": compiler_options(),
         **fields,
     }
 
@@ -136,6 +138,7 @@ def _meta(opts: Options, argv) -> dict:
         "device_count": jax.device_count(),
         "jax": jax.__version__,
         "kernel_backend": get_backend(),
+        "compiler_options": compiler_options(),  # what the Engine compiles with (None off the GPU)
         "commit": opts.commit or _git_commit(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "argv": list(argv or []),
