@@ -52,19 +52,27 @@ def digest(tree) -> str:
     return h.hexdigest()[:16]
 
 
-def gemm_choices(engine: jspec.Engine) -> list[str]:
-    """What XLA's autotuner chose for each product in the Engine's prefill executables, sorted: "shape config" of
-    every Triton GEMM fusion (its tiling and split_k) and every cuBLAS call (its selected algorithm). Empty on the
-    CPU, where nothing is autotuned."""
-    out = []
+PRODUCT_MARKERS = {"cublas": '"__cublas$gemm"', "cublaslt": '"__cublas$lt$matmul"', "triton_gemm": '"__triton_gemm"'}
+
+
+def gemm_choices(engine: jspec.Engine) -> dict:
+    """Which library runs the products of the Engine's prefill executables, and what XLA's autotuner chose: the
+    count of each PRODUCT_MARKERS string in their optimized HLO text (cuBLAS calls, cuBLASLt calls, Triton GEMM
+    fusions), and "shape config" of every Triton GEMM fusion (its tiling and split_k) and every cuBLAS call (its
+    selected algorithm), sorted. Nothing on the CPU. On the H100 at 653abac (jax 0.11.2) the choices came back
+    empty (their pattern matched nothing there); the counts were added after."""
+    counts, choices = dict.fromkeys(PRODUCT_MARKERS, 0), []
     for key, executable in engine._executables.items():
         if not key[0].startswith("prefill"):
             continue
-        for line in executable.as_text().splitlines():
+        text = executable.as_text()
+        for name, marker in PRODUCT_MARKERS.items():
+            counts[name] += text.count(marker)
+        for line in text.splitlines():
             choice = re.search(r'"triton_gemm_config":(\{[^}]*\})|"selected_algorithm":"?(-?\d+)', line)
             if choice and (shape := re.search(r"= (\S+) ", line)):
-                out.append(f"{key[0]} {shape.group(1)} {choice.group(1) or 'cublas ' + choice.group(2)}")
-    return sorted(out)
+                choices.append(f"{key[0]} {shape.group(1)} {choice.group(1) or 'cublas ' + choice.group(2)}")
+    return dict(counts=counts, choices=sorted(choices))
 
 
 def main():
