@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import os
 import statistics
 import sys
@@ -41,7 +40,7 @@ import numpy as np  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec import engine as engine_module  # noqa: E402
-from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
+from jspec_bench.report import bits_digest, experiment_meta, save_experiment  # noqa: E402
 from jspec_bench.shapes import model_config, random_int4_params  # noqa: E402
 
 VARIANTS = {  # added to the shipped GPU options (level 0, cuBLAS: jspec.engine.GPU_COMPILER_OPTIONS)
@@ -61,10 +60,6 @@ def gpu_options(extra: dict):
     finally:
         engine_module.GPU_COMPILER_OPTIONS.clear()
         engine_module.GPU_COMPILER_OPTIONS.update(saved)
-
-
-def digest(tokens: list[int]) -> str:
-    return hashlib.sha256(np.int32(tokens).tobytes()).hexdigest()[:16]
 
 
 def measure(name: str, args) -> dict:
@@ -89,7 +84,7 @@ def measure(name: str, args) -> dict:
             t0 = time.perf_counter()
             tokens = engine.generate(prompt, args.new, eos_id=()).tokens
             decode_s = time.perf_counter() - t0 - ttft
-            trial = dict(ttft_s=ttft, decode_tok_s=(args.new - 1) / decode_s, tokens=digest(tokens))
+            trial = dict(ttft_s=ttft, decode_tok_s=(args.new - 1) / decode_s, tokens=bits_digest(np.int32(tokens)))
             out["variants"][variant]["trials"].append(trial)
     for variant, v in out["variants"].items():
         v["ttft_s"] = statistics.median(t["ttft_s"] for t in v["trials"])

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import os
 import re
 import sys
@@ -35,22 +34,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # experiments/
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from mtp_host_chunked import PrunedEngine, cases, prefilled  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec.stats import common_prefix  # noqa: E402
-from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
-
-
-def digest(tree) -> str:
-    """sha256 of every leaf's bytes, in tree order (first 16 hex digits)."""
-    h = hashlib.sha256()
-    for leaf in jax.tree.leaves(jax.device_get(tree)):
-        h.update(np.ascontiguousarray(leaf).tobytes())
-    return h.hexdigest()[:16]
-
+from jspec_bench.report import bits_digest, experiment_meta, save_experiment  # noqa: E402
 
 PRODUCT_MARKERS = {"cublas": '"__cublas$gemm"', "cublaslt": '"__cublas$lt$matmul"', "triton_gemm": '"__triton_gemm"'}
 
@@ -91,10 +80,10 @@ def main():
     for key, engine, settings in (("greedy", greedy_engine, None), ("mtp", mtp_engine, mtp)):
         state = prefilled(engine, engine.settings(drafter=settings), prompt, max_new)[0].state
         out["prefill"][key] = dict(
-            main=digest(dataclasses.replace(state, drafter=None)),
-            cache=digest(state.cache),
-            hidden=digest(state.hidden),
-            drafter=digest(state.drafter),
+            main=bits_digest(dataclasses.replace(state, drafter=None)),
+            cache=bits_digest(state.cache),
+            hidden=bits_digest(state.hidden),
+            drafter=bits_digest(state.drafter),
             gemms=gemm_choices(engine),
         )
     save_experiment(out, args.out, t0)  # each part saved as it ends: a timeout keeps what ran
@@ -113,7 +102,7 @@ def main():
             identical=identical,
             first_divergence=None if identical else common_prefix(r.tokens, greedy),
             verify_steps=r.stats.verify_steps,
-            tokens=digest(np.int32(r.tokens)),
+            tokens=bits_digest(np.int32(r.tokens)),
         )
         print(mode, out["runs"][mode], flush=True)
         save_experiment(out, args.out, t0)

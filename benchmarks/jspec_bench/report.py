@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -119,6 +120,15 @@ def experiment_meta(commit: str, **fields) -> dict:
         "compiler_options": compiler_options(),
         **fields,
     }
+
+
+def bits_digest(tree) -> str:
+    """An experiment's fingerprint of a pytree's bits: sha256 of every leaf's bytes, in tree order (first 16 hex
+    digits)."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(jax.device_get(tree)):
+        h.update(np.ascontiguousarray(leaf).tobytes())
+    return h.hexdigest()[:16]
 
 
 def save_experiment(out: dict, path: str, t0: float) -> None:
