@@ -28,8 +28,8 @@ reasons (`nvidia-smi`):
   "einsum_default" (its float32 q k^T products, HIGHEST / default precision), "scan" (its chunk loop's state
   updates), "cumexp" (its decays), "parts" (those four, one executable each, one after another); "kernels:N": N
   small executables of one elementwise kernel each (N distinct kernels loaded); "gemm[:MODE]": a bf16 dot;
-  "stepprof": the decode step's kernels, profiled (`device_loop_profile.step_profiler`); "alloc:G": G GiB allocated
-  and freed.
+  "stepprof": the decode step's kernels, profiled (`device_loop_profile.step_profiler`); "d2h:WHAT": arrays made on
+  the device copied to the host (`phase_d2h`); "alloc:G": G GiB allocated and freed.
 - --xla-log LOG: the process's stderr (2> LOG), with TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3
   (without the first, jax 0.11 logs none of them): every phase's XLA command-buffer log lines counted into the
   JSON (`command_buffer_events`; a marker line on stderr opens each phase).
@@ -557,6 +557,20 @@ def phase_alloc(_: Session, gib: str) -> dict:
     return {}
 
 
+def phase_d2h(_: Session, what: str) -> dict:
+    """Copy device arrays made here to the host (`jax.device_get`): "scalar" one int32, "tree" five small int32 arrays
+    at once (a `DeviceGeneration`'s shapes), "array" one int32 [4096]; no generation runs."""
+    made = {
+        "scalar": lambda: jnp.asarray(7, jnp.int32) + 1,
+        "tree": lambda: tuple(jnp.arange(n, dtype=jnp.int32) + 1 for n in (512, 1, 1, 8, 1)),
+        "array": lambda: jnp.arange(4096, dtype=jnp.int32) + 1,
+    }[what]()
+    jax.block_until_ready(made)
+    t0 = time.perf_counter()
+    jax.device_get(made)
+    return {"wall_s": time.perf_counter() - t0}
+
+
 def phase_rest(s: Session, seconds: str) -> dict:
     time.sleep(min(float(seconds), 1.0) if s.opts.quick else float(seconds))
     return {}
@@ -598,6 +612,7 @@ PHASE_RUNNERS = {  # kind -> runner(session, the phase's argument) -> what the p
     "kernels": timed(lambda s, n: distinct_kernels_once(int(n))),
     "stepprof": phase_stepprof,
     "alloc": phase_alloc,
+    "d2h": phase_d2h,
     "stack": phase_context("stack"),
     "cacheconfig": phase_context("cache"),
 }
