@@ -13,7 +13,8 @@ reasons (`nvidia-smi`):
   generations (ms a token over --new-tokens minus 1; warms first); "hostgen:T": one host-loop generation of T
   tokens (T = 1: the prefill and the first token).
 - "devexec:MODE": the Engine's on-device generation executable, "compile" only, "run" once, or "get" (run, copy back).
-- "genpart:PART": a part of the generation (`jspec.loop`) as its own executable, run once: "start", "first",
+- "genpart:PART[:MODE[:RUNS]]": a part of the generation (`jspec.loop`) as its own executable, compiled with a
+  prefill MODE's options and run RUNS times (default: as shipped, once; `generation_part_once`): "start", "first",
   "rounds" (decode rounds without prefill), "prefill_round", "prefill_rounds" (both, no request check),
   "generate_on_device" (the whole, jitted here, not by the Engine).
 - "prefill:MODE": `jspec.steps.prefill` as its own executable: "compile" only, or run "shipped", "host_while" (no
@@ -294,13 +295,16 @@ def device_exec_once(engine: Engine, prompt: np.ndarray, n: int, mode: str) -> N
             jax.device_get(out).raise_if_error()
 
 
-def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, part: str):
-    """One part of the greedy on-device generation (`jspec.loop`) as its own executable, compiled with the shipped
-    options, run once and returned: "start" (`start_loop`: the fresh state holding the prompt), "first" (start_loop,
-    then `first_round` with no chunk run), "rounds" (start_loop, then n `decode_round`s in a while loop, no
-    prefill), "prefill_round" (start_loop, the chunks, the first round), "prefill_rounds" (prefill_round, then the n
-    rounds: the generation without its request check), "generate_on_device" (the whole generation jitted here, not
-    by the Engine)."""
+def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str):
+    """One part of the greedy on-device generation (`jspec.loop`) as its own executable, spec "PART[:MODE[:RUNS]]":
+    compiled with PREFILL_MODES[MODE] (default "shipped"), run RUNS times (default 1; XLA records an executable's
+    CUDA graphs at its second run, the first running thunk by thunk) and returned. PART: "start" (`start_loop`: the
+    fresh state holding the prompt), "first" (start_loop, then `first_round` with no chunk run), "rounds"
+    (start_loop, then n `decode_round`s in a while loop, no prefill), "prefill_round" (start_loop, the chunks, the
+    first round), "prefill_rounds" (prefill_round, then the n rounds: the generation without its request check),
+    "generate_on_device" (the whole generation jitted here, not by the Engine)."""
+    part, _, rest = spec.partition(":")
+    mode, _, runs = rest.partition(":")
     cfg, settings = engine.cfg, engine.settings()
     request = engine.request(prompt, n, ()).loop_args(engine.max_len)
 
@@ -325,8 +329,10 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, part: str):
         "prefill_rounds": lambda params, *request: rounds(params, prefilled(params, *request)),
         "generate_on_device": whole,
     }[part]
-    run = jax.jit(fn).lower(engine.params, *request).compile(compiler_options())
-    jax.block_until_ready(run(engine.params, *request))
+    options = compiler_options() and PREFILL_MODES[mode or "shipped"]
+    run = jax.jit(fn).lower(engine.params, *request).compile(options)
+    for _ in range(int(runs or 1)):
+        jax.block_until_ready(run(engine.params, *request))
     return run
 
 
