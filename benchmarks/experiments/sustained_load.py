@@ -16,7 +16,7 @@ reasons (`nvidia-smi`):
 - "genpart:PART[:MODE[:RUNS]]": a part of the generation (`jspec.loop`) as its own executable, compiled with a
   prefill MODE's options and run RUNS times (default: as shipped, once; `generation_part_once`): "start", "first",
   "rounds" (decode rounds without prefill), "prefill_round", "prefill_rounds" (both, no request check),
-  "generate_on_device" (the whole, jitted here, not by the Engine).
+  "generate_on_device" (the whole, jitted here, not by the Engine), "unchecked" (it without the request check's cond).
 - "prefill:MODE": `jspec.steps.prefill` as its own executable: "compile" only, or run "shipped", "host_while" (no
   WHILE / CONDITIONAL graphs), "no_graphs", "no_blas_graphs" (cuBLAS / cuBLASLt calls outside the graphs).
 - "otherchain:LABEL": another chain (`chain_walls` labels: 1-nested, 1-internal) compiled and run.
@@ -147,7 +147,14 @@ from xla_options import NO_GRAPHS  # noqa: E402
 
 from jspec.config import ModelConfig  # noqa: E402
 from jspec.engine import Engine, compiler_options  # noqa: E402
-from jspec.loop import decode_round, first_round, generate_on_device, prefill_round, start_loop  # noqa: E402
+from jspec.loop import (  # noqa: E402
+    _generate,
+    decode_round,
+    first_round,
+    generate_on_device,
+    prefill_round,
+    start_loop,
+)
 from jspec.state import init_state  # noqa: E402
 from jspec.steps import prefill  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
@@ -302,7 +309,8 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str):
     fresh state holding the prompt), "first" (start_loop, then `first_round` with no chunk run), "rounds"
     (start_loop, then n `decode_round`s in a while loop, no prefill), "prefill_round" (start_loop, the chunks, the
     first round), "prefill_rounds" (prefill_round, then the n rounds: the generation without its request check),
-    "generate_on_device" (the whole generation jitted here, not by the Engine)."""
+    "generate_on_device" (the whole generation jitted here, not by the Engine), "unchecked" (it without its request
+    check: no `lax.cond` around its loops)."""
     part, _, rest = spec.partition(":")
     mode, _, runs = rest.partition(":")
     cfg, settings = engine.cfg, engine.settings()
@@ -321,6 +329,9 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str):
     def whole(params, prompt, length, max_new, eos):
         return generate_on_device(params, cfg, prompt, length, max_new, settings, eos)
 
+    def unchecked(params, prompt, length, max_new, eos):  # no request check, so no lax.cond around the loops
+        return _generate(params, cfg, settings, prompt, length, max_new, eos, None, None)
+
     fn = {
         "start": start,
         "first": lambda params, *request: first_round(params, cfg, settings, start(params, *request)),
@@ -328,6 +339,7 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str):
         "prefill_round": prefilled,
         "prefill_rounds": lambda params, *request: rounds(params, prefilled(params, *request)),
         "generate_on_device": whole,
+        "unchecked": unchecked,
     }[part]
     options = compiler_options() and PREFILL_MODES[mode or "shipped"]
     run = jax.jit(fn).lower(engine.params, *request).compile(options)
