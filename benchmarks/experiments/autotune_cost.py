@@ -18,7 +18,10 @@ experiments/results/autotune_cost_qwen35_h100.json and ..._llama3_8b_h100.json (
 alone, against level 4: autotune0_triton against autotuned): time to first token 7.6x (Qwen3.5) and 10.7x
 (Llama-3-8B) longer, decode the same (0.98x, 1.01x); experiments/results/autotune_cost_cublas_qwen35_h100.json
 (eab233c, which shipped XLA's defaults, against level 0 with cuBLAS: autotuned against today's shipped): time to
-first token 0.256 against 0.244 s, decode 281 against 282 tok/s, the same tokens.
+first token 0.256 against 0.244 s, decode 281 against 282 tok/s, the same tokens;
+experiments/results/autotune_cost_cublas_both_h100.json (a1e3072, both models, autotuned against shipped): time to
+first token 0.154 against 0.146 s (Llama-3-8B) and 0.249 against 0.239 s (Qwen3.5), decode 310 / 308 and 291 / 293
+tok/s, the same tokens.
 
     python3 benchmarks/experiments/autotune_cost.py --variants autotuned --commit SHA --out $OUT/autotune_cost_h200.json
     python3 benchmarks/experiments/autotune_cost.py --quick --out /tmp/autotune_cost_cpu.json   # CPU smoke

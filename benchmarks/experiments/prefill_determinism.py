@@ -17,6 +17,10 @@ greedy. Run it in several processes, with XLA_FLAGS unset and with --xla_gpu_aut
 and MTP's `main` digests within a process, and every digest across processes. A process takes ~130 s on the H200
 with autotuning off; at d54e0ec two with it on did not end within a 140 s timeout (their compiles autotune).
 
+Runs: experiments/results/prefill_determinism_*_h100.json (benchmarks/README.md's rows); the shipped options (level 0,
+cuBLAS) gave the same bits in three of three processes twice on the H100 (eab233c; a1e3072: cublas_rerun_{1,2,3},
+41 cuBLASLt calls and no Triton GEMM in each executable).
+
     for i in 1 2 3; do python3 benchmarks/experiments/prefill_determinism.py --commit SHA --out $OUT/pd_$i.json; done
     python3 benchmarks/experiments/prefill_determinism.py --small --out /tmp/pd_cpu.json   # CPU smoke
 """

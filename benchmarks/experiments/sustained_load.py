@@ -94,6 +94,18 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_cmd=2 python3 \
         benchmarks/experiments/sustained_load.py --window-s 0.5 --phases chain:1,gdn,chain:1 --xla-log $OUT/xla.log \
         --commit SHA --out ... 2> $OUT/xla.log
+- sustained_load_*_llama_h100.json and sustained_load_cublas_{qwen35,llama}_h100.json (d1f41a4, 1853494, 6c27c44; on
+  an H100, the cuBLAS-heuristic options; one fresh process a file, its phases in its meta; --window-s 0.5): the chain
+  2.71-2.75 ms a step fresh, 2.89-2.95 in the state. The state comes with the whole generation's executable's CUDA
+  graphs (recorded at its second run): devexec_runs (run, run, get: 2.75 -> 2.77 -> 2.95 -> 2.94), devexec (compile,
+  run, get: the get is its second run), whole_graphs (generate_on_device twice: 2.75 -> 2.94), warm_drop (the drop
+  leaves it here: 2.89). Not: d2h, devexec_get (a first run copied back: 2.76), whole_nographs, whole_host_while (the
+  same executable without graphs, or without WHILE / CONDITIONAL ones, run three times), rounds_graphs,
+  prefill_round_graphs, prefill_rounds_graphs (the parts with their graphs, three runs), nested, held_prefill,
+  held_prefill_nographs, kernels300, parts_once, rounds_hostgen, and the chunked recurrence (cublas_qwen35: 2.88-2.90
+  before and after "gdn", 3.10 after a generation). A generation's token costs 2.82-2.88 ms whether the chain ran
+  before it or not (gen_first1/2, chain_first1/2). Drawn in ../plots/process_state_graphs_h100.png. Next: the
+  generation without its request check's cond ("genpart:unchecked:shipped:2"), not yet run.
 - residual_norm_ab_{rows,unfused,blocks}_qwen35_h200.json (b1bfe2b, 180296b, 65aa4be; chain:2,stepprof,generate:2,
   each a fresh process, the first two in one machine start, the old tree from `git archive`): a kernel of our own
   for the residual add and the RMSNorm after it (docs/performance.md; since reverted) against XLA's two fusions:
@@ -101,6 +113,8 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   389 launches, a generation's token 2.689 / 2.670-2.694 / 2.703-2.733 ms.
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
+    P=chain:1,+genpart:generate_on_device:shipped:2,chain:1   # or :no_graphs:3, :host_while:3, unchecked:shipped:2
+    python3 benchmarks/experiments/sustained_load.py --model llama-3-8b --window-s 0.5 --phases $P --out ...
     P=chain:1,chain:1:1-nographs,gdn,chain:1,chain:1:1-nographs,cacheconfig:2,chain:1,cacheconfig:1,chain:1,cacheconfig:0,chain:1
     python3 benchmarks/experiments/sustained_load.py --window-s 0.5 --phases $P --commit SHA --out ...
     CUDA_DEVICE_MAX_CONNECTIONS=1 python3 benchmarks/experiments/sustained_load.py --window-s 0.5 \
@@ -111,6 +125,9 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
         heldkernels,blas,platform_alloc,sticky,gdn_einsum,gdn_scan,gdn_cumexp}_qwen35_h200.json
     python3 ../sustained_load.py --plot ../../plots/process_state_launches.png \
         sustained_load_{nographs,connections1,connections32}_qwen35_h200.json
+    python3 ../sustained_load.py --plot ../../plots/process_state_graphs_h100.png sustained_load_{devexec_runs,\
+        gen_first1,chain_first1,whole_graphs,whole_nographs,whole_host_while,rounds_graphs,prefill_round_graphs,\
+        prefill_rounds_graphs,nested}_llama_h100.json
 """
 
 from __future__ import annotations
@@ -459,7 +476,8 @@ def plot_runs(paths: list[str], png: str) -> None:
                 ax.axvspan(x - 0.4, x + 0.4, color="0.88")
                 tokens = phase.get("ms_per_token", [])
                 ax.plot(np.linspace(x - 0.3, x + 0.3, len(tokens)), tokens, "x", color="tab:orange", ms=4)
-                ax.text(x, 0.98, phase["phase"], rotation=90, ha="center", va="top", fontsize=7,
+                label = phase["phase"].replace(":", ":\n") if len(phase["phase"]) > 16 else phase["phase"]
+                ax.text(x, 0.96, label, ha="center", va="top", fontsize=6, linespacing=0.9,
                         transform=ax.get_xaxis_transform())  # fmt: skip
                 x += 1
         meta = run["meta"]
