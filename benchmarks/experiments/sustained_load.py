@@ -11,7 +11,8 @@ reasons (`nvidia-smi`):
 - "rest:S": S idle seconds.
 - "warm": the greedy on-device generation compiled and run once (n tokens, then 1); "generate:R": R timed
   generations (ms a token over --new-tokens minus 1; warms first); "hostgen:T": one host-loop generation of T
-  tokens (T = 1: the prefill and the first token).
+  tokens (T = 1: the prefill and the first token); "gentime:PART[:MODE[:R]]": a whole generation's executable
+  (generate_on_device or unchecked, below) timed as "generate" times the Engine's (`phase_gentime`).
 - "devexec:MODE": the Engine's on-device generation executable, "compile" only, "run" once, or "get" (run, copy back).
 - "genpart:PART[:MODE[:RUNS]]": a part of the generation (`jspec.loop`) as its own executable, compiled with a
   prefill MODE's options and run RUNS times (default: as shipped, once; `generation_part_once`): "start", "first",
@@ -104,8 +105,9 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   prefill_round_graphs, prefill_rounds_graphs (the parts with their graphs, three runs), nested, held_prefill,
   held_prefill_nographs, kernels300, parts_once, rounds_hostgen, and the chunked recurrence (cublas_qwen35: 2.88-2.90
   before and after "gdn", 3.10 after a generation). A generation's token costs 2.82-2.88 ms whether the chain ran
-  before it or not (gen_first1/2, chain_first1/2). Drawn in ../plots/process_state_graphs_h100.png. Next: the
-  generation without its request check's cond ("genpart:unchecked:shipped:2"), not yet run.
+  before it or not (gen_first1/2, chain_first1/2). Drawn in ../plots/process_state_graphs_h100.png. Next, not yet
+  run: the generation without its request check's cond ("chain:1,+genpart:unchecked:shipped:2,chain:1"), and its
+  token against the shipped generation's in one process ("gentime:generate_on_device,gentime:unchecked" twice).
 - residual_norm_ab_{rows,unfused,blocks}_qwen35_h200.json (b1bfe2b, 180296b, 65aa4be; chain:2,stepprof,generate:2,
   each a fresh process, the first two in one machine start, the old tree from `git archive`): a kernel of our own
   for the residual add and the RMSNorm after it (docs/performance.md; since reverted) against XLA's two fusions:
@@ -560,6 +562,25 @@ def phase_generate(s: Session, repeats: str) -> dict:
     return {"ms_per_token": [1e3 * (s.generation(s.n) - s.generation(1)) / (s.n - 1) for _ in range(int(repeats))]}
 
 
+def phase_gentime(s: Session, spec: str) -> dict:
+    """A whole generation's executable ("PART[:MODE[:REPEATS]]", PART "generate_on_device" or "unchecked";
+    `generation_part_once`, run twice so its graphs are recorded) timed as `phase_generate` times the Engine's: ms a
+    token over --new-tokens minus 1, REPEATS times (default 3); it is destroyed after."""
+    part, _, rest = spec.partition(":")
+    mode, _, repeats = rest.partition(":")
+    if part not in ("generate_on_device", "unchecked"):
+        raise ValueError(f"gentime times a whole generation (generate_on_device or unchecked), not {part!r}")
+    run = generation_part_once(s.engine, s.prompt, s.n, f"{part}:{mode}:2")
+    prompt, length, _, eos = s.engine.request(s.prompt, s.n, ()).loop_args(s.engine.max_len)
+
+    def wall(n: int) -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(s.engine.params, prompt, length, np.int32(n), eos))
+        return time.perf_counter() - t0
+
+    return {"ms_per_token": [1e3 * (wall(s.n) - wall(1)) / (s.n - 1) for _ in range(int(repeats or 3))]}
+
+
 def phase_stepprof(s: Session, _: str) -> dict:
     s.step_kernels = s.step_kernels or step_profiler(s.engine.params, s.cfg, s.opts.context)
     return {"step": s.step_kernels and s.step_kernels()}
@@ -635,6 +656,7 @@ PHASE_RUNNERS = {  # kind -> runner(session, the phase's argument) -> what the p
     "chain": phase_chain,
     "warm": lambda s, _: warm_generation(s) or {},
     "generate": phase_generate,
+    "gentime": phase_gentime,
     "hostgen": lambda s, t: {"wall_s": generation_wall(s.engine, s.prompt, on_device=False)(int(t))},
     "genpart": timed(lambda s, part: generation_part_once(s.engine, s.prompt, s.n, part)),
     "drop": phase_drop,
