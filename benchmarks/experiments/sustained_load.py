@@ -15,9 +15,10 @@ reasons (`nvidia-smi`):
   (generate_on_device or unchecked, below) timed as "generate" times the Engine's (`phase_gentime`).
 - "devexec:MODE": the Engine's on-device generation executable, "compile" only, "run" once, or "get" (run, copy back).
 - "genpart:PART[:MODE[:RUNS]]": a part of the generation (`jspec.loop`) as its own executable, compiled with a
-  prefill MODE's options and run RUNS times (default: as shipped, once; `generation_part_once`): "start", "first",
-  "rounds" (decode rounds without prefill), "prefill_round", "prefill_rounds" (both, no request check),
-  "generate_on_device" (the whole, jitted here, not by the Engine), "unchecked" (it without the request check's cond).
+  MODE's options (`EXECUTABLE_MODES`) and run RUNS times (default: as shipped, once; `generation_part_once`):
+  "start", "first", "rounds" (decode rounds without prefill), "prefill_round", "prefill_rounds" (both, no request
+  check), "generate_on_device" (the whole, jitted here, not by the Engine), "unchecked" (it without the request
+  check's cond).
 - "prefill:MODE": `jspec.steps.prefill` as its own executable: "compile" only, or run "shipped", "host_while" (no
   WHILE / CONDITIONAL graphs), "no_graphs", "no_blas_graphs" (cuBLAS / cuBLASLt calls outside the graphs).
 - "otherchain:LABEL": another chain (`chain_walls` labels: 1-nested, 1-internal) compiled and run.
@@ -26,7 +27,7 @@ reasons (`nvidia-smi`):
   configurations, flags and free memory (`context_sample`).
 - "attn": one prefill chunk's attention kernel (a static start); "dqgemm": a 128-row product with each int4 weight
   shape; "gdn[:MODE]": the chunked recurrence (`chunk_gated_delta`) over a 128-position chunk at the model's linear
-  heads, compiled with a prefill MODE's options, or one part of it alone: "trsm" (its triangular solve), "einsum" /
+  heads, compiled with a MODE's options, or one part of it alone: "trsm" (its triangular solve), "einsum" /
   "einsum_default" (its float32 q k^T products, HIGHEST / default precision), "scan" (its chunk loop's state
   updates), "cumexp" (its decays), "parts" (those four, one executable each, one after another); "kernels:N": N
   small executables of one elementwise kernel each (N distinct kernels loaded); "gemm[:MODE]": a bf16 dot;
@@ -107,7 +108,8 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   before and after "gdn", 3.10 after a generation). A generation's token costs 2.82-2.88 ms whether the chain ran
   before it or not (gen_first1/2, chain_first1/2). Drawn in ../plots/process_state_graphs_h100.png. Next, not yet
   run: the generation without its request check's cond ("chain:1,+genpart:unchecked:shipped:2,chain:1"), and its
-  token against the shipped generation's in one process ("gentime:generate_on_device,gentime:unchecked" twice).
+  token against the shipped generation's in one process ("gentime:generate_on_device,gentime:unchecked" twice), and
+  under the command buffers' other node orders ("gentime:generate_on_device:cb_serialize", ":cb_concurrent").
 - residual_norm_ab_{rows,unfused,blocks}_qwen35_h200.json (b1bfe2b, 180296b, 65aa4be; chain:2,stepprof,generate:2,
   each a fresh process, the first two in one machine start, the old tree from `git archive`): a kernel of our own
   for the residual add and the RMSNorm after it (docs/performance.md; since reverted) against XLA's two fusions:
@@ -287,21 +289,25 @@ def prefill_attention_once(cfg, context: int):
     return run
 
 
-PREFILL_MODES = {  # prefill:MODE -> the XLA options its executable compiles with on the GPU
+EXECUTABLE_MODES = {  # MODE (prefill, gdn, gemm, genpart, gentime) -> the XLA options an executable compiles with
     "shipped": VARIANTS["shipped"],
     "compile": VARIANTS["shipped"],  # compiled, not run
     "host_while": VARIANTS["host_while"],  # no WHILE / CONDITIONAL command buffers: the host drives the loops
     "no_graphs": VARIANTS["shipped"] | NO_GRAPHS,
     "no_blas_graphs": without_command_buffers("CUBLAS", "CUBLASLT"),
+    # the command buffers' node order: one serial chain of nodes, or concurrent regions (shipped: LHS, the latency
+    # hiding scheduler's)
+    "cb_serialize": VARIANTS["shipped"] | {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"},
+    "cb_concurrent": VARIANTS["shipped"] | {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
 }
 
 
 def prefill_once(params, cfg, prompt: np.ndarray, mode: str):
     """The prompt's prefill (`jspec.steps.prefill`, 128-position chunks) as its own executable, compiled with
-    PREFILL_MODES[mode], run once (mode "compile": not run) and returned."""
+    EXECUTABLE_MODES[mode], run once (mode "compile": not run) and returned."""
     state = init_state(cfg, prompt.size + 16, jnp.bfloat16)
     args = (params, state, jnp.asarray(prompt), jnp.asarray(prompt.size, jnp.int32))
-    options = compiler_options() and PREFILL_MODES[mode]
+    options = compiler_options() and EXECUTABLE_MODES[mode]
     run = jax.jit(lambda p, s, t, n: prefill(p, cfg, s, t, n, chunk=128)).lower(*args).compile(options)
     if mode != "compile":
         run(*args)[1].block_until_ready()
@@ -323,7 +329,7 @@ def device_exec_once(engine: Engine, prompt: np.ndarray, n: int, mode: str) -> N
 
 def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str):
     """One part of the greedy on-device generation (`jspec.loop`) as its own executable, spec "PART[:MODE[:RUNS]]":
-    compiled with PREFILL_MODES[MODE] (default "shipped"), run RUNS times (default 1; XLA records an executable's
+    compiled with EXECUTABLE_MODES[MODE] (default "shipped"), run RUNS times (default 1; XLA records an executable's
     CUDA graphs at its second run, the first running thunk by thunk) and returned. PART: "start" (`start_loop`: the
     fresh state holding the prompt), "first" (start_loop, then `first_round` with no chunk run), "rounds"
     (start_loop, then n `decode_round`s in a while loop, no prefill), "prefill_round" (start_loop, the chunks, the
@@ -360,7 +366,7 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str):
         "generate_on_device": whole,
         "unchecked": unchecked,
     }[part]
-    options = compiler_options() and PREFILL_MODES[mode or "shipped"]
+    options = compiler_options() and EXECUTABLE_MODES[mode or "shipped"]
     run = jax.jit(fn).lower(engine.params, *request).compile(options)
     for _ in range(int(runs or 1)):
         jax.block_until_ready(run(engine.params, *request))
@@ -383,7 +389,7 @@ def prefill_products_once(params) -> list:
 
 def chunked_recurrence_once(cfg: ModelConfig, mode: str):
     """The prefill's chunked recurrence (`chunk_gated_delta`, float32) over one 128-position chunk at cfg's linear
-    heads (value heads; keys repeated to them, as `jspec.models.hybrid` does), compiled with PREFILL_MODES[mode]
+    heads (value heads; keys repeated to them, as `jspec.models.hybrid` does), compiled with EXECUTABLE_MODES[mode]
     (default "shipped"), or one part of it (module docstring: "gdn[:MODE]") as shipped, run once: its
     executable."""
     h, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -415,7 +421,7 @@ def chunked_recurrence_once(cfg: ModelConfig, mode: str):
         fn, args = (lambda g: jnp.exp(jnp.cumsum(g, axis=-1))), (jnp.full((h, n, CHUNK), -0.1, jnp.float32),)
     elif mode == "parts":  # every part above, each its own executable: the parts' kernels without their sequence
         return [chunked_recurrence_once(cfg, part) for part in ("trsm", "einsum", "scan", "cumexp")]
-    options = compiler_options() and PREFILL_MODES[mode if mode in PREFILL_MODES else "shipped"]
+    options = compiler_options() and EXECUTABLE_MODES[mode if mode in EXECUTABLE_MODES else "shipped"]
     run = jax.jit(fn).lower(*args).compile(options)
     jax.block_until_ready(run(*args))
     return run
@@ -600,9 +606,9 @@ def phase_context(what: str) -> Callable[[Session, str], dict]:
 
 
 def gemm_once(mode: str):
-    """A bf16 4096 x 4096 XLA dot compiled with PREFILL_MODES[mode] (default "shipped"), run once: its executable."""
+    """A bf16 4096 x 4096 XLA dot compiled with EXECUTABLE_MODES[mode] (default "shipped"), run once: its executable."""
     a = jnp.ones((4096, 4096), jnp.bfloat16)
-    run = jax.jit(jnp.dot).lower(a, a).compile(compiler_options() and PREFILL_MODES[mode or "shipped"])
+    run = jax.jit(jnp.dot).lower(a, a).compile(compiler_options() and EXECUTABLE_MODES[mode or "shipped"])
     run(a, a).block_until_ready()
     return run
 
