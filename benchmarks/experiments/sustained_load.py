@@ -563,9 +563,15 @@ def phase_drop(s: Session, _: str) -> dict:
     return {"dropped": dropped}
 
 
+def ms_per_token(wall: Callable[[int], float], n: int, repeats: int) -> list[float]:
+    """Per repeat, ms a token of a generation timer wall(tokens) -> seconds: (wall(n) - wall(1)) / (n - 1), so the
+    prefill and the first token cancel."""
+    return [1e3 * (wall(n) - wall(1)) / (n - 1) for _ in range(repeats)]
+
+
 def phase_generate(s: Session, repeats: str) -> dict:
     warm_generation(s)
-    return {"ms_per_token": [1e3 * (s.generation(s.n) - s.generation(1)) / (s.n - 1) for _ in range(int(repeats))]}
+    return {"ms_per_token": ms_per_token(s.generation, s.n, int(repeats))}
 
 
 def phase_gentime(s: Session, spec: str) -> dict:
@@ -584,7 +590,7 @@ def phase_gentime(s: Session, spec: str) -> dict:
         jax.block_until_ready(run(s.engine.params, prompt, length, np.int32(n), eos))
         return time.perf_counter() - t0
 
-    return {"ms_per_token": [1e3 * (wall(s.n) - wall(1)) / (s.n - 1) for _ in range(int(repeats or 3))]}
+    return {"ms_per_token": ms_per_token(wall, s.n, int(repeats or 3))}
 
 
 def phase_stepprof(s: Session, _: str) -> dict:
