@@ -177,7 +177,7 @@ from jspec.loop import (  # noqa: E402
     start_loop,
 )
 from jspec.state import init_state  # noqa: E402
-from jspec.steps import prefill  # noqa: E402
+from jspec.steps import commit, decode_step, prefill  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
 from jspec_bench.roofline import _xla_sum_Bps  # noqa: E402
 from jspec_bench.shapes import model_config, random_int4_params  # noqa: E402
@@ -335,7 +335,10 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str):
     (start_loop, then n `decode_round`s in a while loop, no prefill), "prefill_round" (start_loop, the chunks, the
     first round), "prefill_rounds" (prefill_round, then the n rounds: the generation without its request check),
     "generate_on_device" (the whole generation jitted here, not by the Engine), "unchecked" (it without its request
-    check: no `lax.cond` around its loops)."""
+    check: no `lax.cond` around its loops), "steps" and "prefill_steps" (start_loop or prefill_round, then the bare
+    chain's body on the Loop's state: decode_step, argmax, commit, none of a round's bookkeeping). The rounds and
+    steps run the request's max_new times (a runtime value, so `phase_gentime` can time them per token; a
+    static n at 1949890 and before)."""
     part, _, rest = spec.partition(":")
     mode, _, runs = rest.partition(":")
     cfg, settings = engine.cfg, engine.settings()
@@ -344,9 +347,16 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str):
     def start(params, *request):
         return start_loop(params, cfg, settings, *request)
 
-    def rounds(params, loop):  # n decode rounds in a while loop
+    def rounds(params, loop, trips):  # decode rounds in a while loop
         body = lambda c: (decode_round(params, cfg, settings, c[0]), c[1] + 1)  # noqa: E731
-        return jax.lax.while_loop(lambda c: c[1] < n, body, (loop, 0))[0]
+        return jax.lax.while_loop(lambda c: c[1] < trips, body, (loop, 0))[0]
+
+    def steps(params, loop, trips):  # the bare chain's body on the Loop's state (`device_loop_profile.chain_walls`)
+        def body(c):
+            state, logits = decode_step(params, cfg, c[0])
+            return commit(state, jnp.zeros((), jnp.int32), jnp.argmax(logits).astype(jnp.int32)), c[1] + 1
+
+        return jax.lax.while_loop(lambda c: c[1] < trips, body, (loop.state, 0))[0]
 
     def prefilled(params, *request):
         return prefill_round(params, cfg, settings, *request)
@@ -360,9 +370,11 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str):
     fn = {
         "start": start,
         "first": lambda params, *request: first_round(params, cfg, settings, start(params, *request)),
-        "rounds": lambda params, *request: rounds(params, start(params, *request)),
+        "rounds": lambda params, *request: rounds(params, start(params, *request), request[2]),
         "prefill_round": prefilled,
-        "prefill_rounds": lambda params, *request: rounds(params, prefilled(params, *request)),
+        "prefill_rounds": lambda params, *request: rounds(params, prefilled(params, *request), request[2]),
+        "steps": lambda params, *request: steps(params, start(params, *request), request[2]),
+        "prefill_steps": lambda params, *request: steps(params, prefilled(params, *request), request[2]),
         "generate_on_device": whole,
         "unchecked": unchecked,
     }[part]
@@ -574,14 +586,18 @@ def phase_generate(s: Session, repeats: str) -> dict:
     return {"ms_per_token": ms_per_token(s.generation, s.n, int(repeats))}
 
 
+GENTIME_PARTS = ("generate_on_device", "unchecked", "rounds", "prefill_rounds", "steps", "prefill_steps")
+
+
 def phase_gentime(s: Session, spec: str) -> dict:
-    """A whole generation's executable ("PART[:MODE[:REPEATS]]", PART "generate_on_device" or "unchecked";
-    `generation_part_once`, run twice so its graphs are recorded) timed as `phase_generate` times the Engine's: ms a
-    token over --new-tokens minus 1, REPEATS times (default 3); it is destroyed after."""
+    """A generation's executable ("PART[:MODE[:REPEATS]]", PART of `generation_part_once` whose tokens follow the
+    request's max_new: generate_on_device, unchecked, rounds, prefill_rounds, steps, prefill_steps; run twice so its
+    graphs are recorded) timed as `phase_generate` times the Engine's: ms a token over --new-tokens minus 1, REPEATS
+    times (default 3); it is destroyed after."""
     part, _, rest = spec.partition(":")
     mode, _, repeats = rest.partition(":")
-    if part not in ("generate_on_device", "unchecked"):
-        raise ValueError(f"gentime times a whole generation (generate_on_device or unchecked), not {part!r}")
+    if part not in GENTIME_PARTS:
+        raise ValueError(f"gentime times a part whose tokens follow max_new ({', '.join(GENTIME_PARTS)}), not {part!r}")
     run = generation_part_once(s.engine, s.prompt, s.n, f"{part}:{mode}:2")
     prompt, length, _, eos = s.engine.request(s.prompt, s.n, ()).loop_args(s.engine.max_len)
 
