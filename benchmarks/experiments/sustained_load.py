@@ -141,6 +141,7 @@ import ctypes
 import dataclasses
 import functools
 import gc
+import gzip
 import json
 import os
 import re
@@ -327,7 +328,7 @@ def device_exec_once(engine: Engine, prompt: np.ndarray, n: int, mode: str) -> N
             jax.device_get(out).raise_if_error()
 
 
-def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str):
+def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str, hlo_dir: str | None = None):
     """One part of the greedy on-device generation (`jspec.loop`) as its own executable, spec "PART[:MODE[:RUNS]]":
     compiled with EXECUTABLE_MODES[MODE] (default "shipped"), run RUNS times (default 1; XLA records an executable's
     CUDA graphs at its second run, the first running thunk by thunk) and returned. PART: "start" (`start_loop`: the
@@ -338,7 +339,7 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str):
     check: no `lax.cond` around its loops), "steps" and "prefill_steps" (start_loop or prefill_round, then the bare
     chain's body on the Loop's state: decode_step, argmax, commit, none of a round's bookkeeping). The rounds and
     steps run the request's max_new times (a runtime value, so `phase_gentime` can time them per token; a
-    static n at 1949890 and before)."""
+    static n at 1949890 and before). hlo_dir: where its optimized HLO goes (PART_MODE.hlo.txt.gz), if given."""
     part, _, rest = spec.partition(":")
     mode, _, runs = rest.partition(":")
     cfg, settings = engine.cfg, engine.settings()
@@ -380,6 +381,9 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str):
     }[part]
     options = compiler_options() and EXECUTABLE_MODES[mode or "shipped"]
     run = jax.jit(fn).lower(engine.params, *request).compile(options)
+    if hlo_dir:
+        with gzip.open(os.path.join(hlo_dir, f"{part}_{mode or 'shipped'}.hlo.txt.gz"), "wt") as f:
+            f.write(run.as_text())
     for _ in range(int(runs or 1)):
         jax.block_until_ready(run(engine.params, *request))
     return run
@@ -598,7 +602,7 @@ def phase_gentime(s: Session, spec: str) -> dict:
     mode, _, repeats = rest.partition(":")
     if part not in GENTIME_PARTS:
         raise ValueError(f"gentime times a part whose tokens follow max_new ({', '.join(GENTIME_PARTS)}), not {part!r}")
-    run = generation_part_once(s.engine, s.prompt, s.n, f"{part}:{mode}:2")
+    run = generation_part_once(s.engine, s.prompt, s.n, f"{part}:{mode}:2", s.opts.hlo_dir)
     prompt, length, _, eos = s.engine.request(s.prompt, s.n, ()).loop_args(s.engine.max_len)
 
     def wall(n: int) -> float:
@@ -686,7 +690,7 @@ PHASE_RUNNERS = {  # kind -> runner(session, the phase's argument) -> what the p
     "generate": phase_generate,
     "gentime": phase_gentime,
     "hostgen": lambda s, t: {"wall_s": generation_wall(s.engine, s.prompt, on_device=False)(int(t))},
-    "genpart": timed(lambda s, part: generation_part_once(s.engine, s.prompt, s.n, part)),
+    "genpart": timed(lambda s, part: generation_part_once(s.engine, s.prompt, s.n, part, s.opts.hlo_dir)),
     "drop": phase_drop,
     "devexec": timed(lambda s, mode: device_exec_once(s.engine, s.prompt, s.n, mode)),
     "otherchain": timed(lambda s, label: chain_walls(s.engine.params, s.cfg, s.opts.context, [label], 3)),
@@ -724,6 +728,7 @@ def main() -> None:
         "TF_CPP_VMODULE=command_buffer_thunk=3 and 2> LOG): each phase's XLA command-buffer events counted into "
         "the JSON (`command_buffer_events`)",
     )
+    ap.add_argument("--hlo-dir", help="a folder for the optimized HLO of every genpart / gentime executable")
     opts = ap.parse_args()
     if opts.plot:
         return plot_runs(opts.runs, opts.plot)
