@@ -181,7 +181,7 @@ from jspec.state import init_state  # noqa: E402
 from jspec.steps import commit, decode_step, prefill  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
 from jspec_bench.roofline import _xla_sum_Bps  # noqa: E402
-from jspec_bench.shapes import model_config, random_int4_params  # noqa: E402
+from jspec_bench.shapes import copy_tree, model_config, random_int4_params  # noqa: E402
 from pallas_kernels.int4_ws import Int4Codes  # noqa: E402
 from pallas_kernels.matmul import linear  # noqa: E402
 from pallas_kernels.prefill_attention import chunk_attention  # noqa: E402
@@ -590,20 +590,46 @@ def phase_generate(s: Session, repeats: str) -> dict:
     return {"ms_per_token": ms_per_token(s.generation, s.n, int(repeats))}
 
 
+def split_rounds(engine: Engine, loop, mode: str, hlo_dir: str | None):
+    """The greedy generation's rounds (`jspec.loop._generate`'s while loop, until the Loop is done) as an executable
+    of their own on a Loop made by another (its buffers donated), compiled with EXECUTABLE_MODES[mode] and run twice
+    on copies of `loop`."""
+    cfg, settings = engine.cfg, engine.settings()
+
+    def rounds(params, lp):
+        return jax.lax.while_loop(lambda x: ~x.done, lambda x: decode_round(params, cfg, settings, x), lp)
+
+    options = compiler_options() and EXECUTABLE_MODES[mode or "shipped"]
+    run = jax.jit(rounds, donate_argnums=1).lower(engine.params, loop).compile(options)
+    if hlo_dir:
+        with gzip.open(os.path.join(hlo_dir, f"split_rounds_{mode or 'shipped'}.hlo.txt.gz"), "wt") as f:
+            f.write(run.as_text())
+    for _ in range(2):
+        jax.block_until_ready(run(engine.params, copy_tree(loop)))
+    return run
+
+
 GENTIME_PARTS = ("generate_on_device", "unchecked", "rounds", "prefill_rounds", "steps", "prefill_steps")
 
 
 def phase_gentime(s: Session, spec: str) -> dict:
     """A generation's executable ("PART[:MODE[:REPEATS]]", PART of `generation_part_once` whose tokens follow the
     request's max_new: generate_on_device, unchecked, rounds, prefill_rounds, steps, prefill_steps; run twice so its
-    graphs are recorded) timed as `phase_generate` times the Engine's: ms a token over --new-tokens minus 1, REPEATS
-    times (default 3); it is destroyed after."""
+    graphs are recorded; or "split": prefill_round's executable, then `split_rounds` on its Loop) timed as
+    `phase_generate` times the Engine's: ms a token over --new-tokens minus 1, REPEATS times (default 3); destroyed
+    after."""
     part, _, rest = spec.partition(":")
     mode, _, repeats = rest.partition(":")
-    if part not in GENTIME_PARTS:
+    if part not in (*GENTIME_PARTS, "split"):
         raise ValueError(f"gentime times a part whose tokens follow max_new ({', '.join(GENTIME_PARTS)}), not {part!r}")
-    run = generation_part_once(s.engine, s.prompt, s.n, f"{part}:{mode}:2", s.opts.hlo_dir)
     prompt, length, _, eos = s.engine.request(s.prompt, s.n, ()).loop_args(s.engine.max_len)
+    if part == "split":  # prefill_round's executable, then the rounds' own on its Loop: two calls, no host sync
+        first = generation_part_once(s.engine, s.prompt, s.n, f"prefill_round:{mode}:2", s.opts.hlo_dir)
+        loop = first(s.engine.params, prompt, length, np.int32(s.n), eos)
+        rounds = split_rounds(s.engine, loop, mode, s.opts.hlo_dir)
+        run = lambda params, *request: rounds(params, first(params, *request))  # noqa: E731
+    else:
+        run = generation_part_once(s.engine, s.prompt, s.n, f"{part}:{mode}:2", s.opts.hlo_dir)
 
     def wall(n: int) -> float:
         t0 = time.perf_counter()
