@@ -106,10 +106,18 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   prefill_round_graphs, prefill_rounds_graphs (the parts with their graphs, three runs), nested, held_prefill,
   held_prefill_nographs, kernels300, parts_once, rounds_hostgen, and the chunked recurrence (cublas_qwen35: 2.88-2.90
   before and after "gdn", 3.10 after a generation). A generation's token costs 2.82-2.88 ms whether the chain ran
-  before it or not (gen_first1/2, chain_first1/2). Drawn in ../plots/process_state_graphs_h100.png. Next, not yet
-  run: the generation without its request check's cond ("chain:1,+genpart:unchecked:shipped:2,chain:1"), and its
-  token against the shipped generation's in one process ("gentime:generate_on_device,gentime:unchecked" twice), and
-  under the command buffers' other node orders ("gentime:generate_on_device:cb_serialize", ":cb_concurrent").
+  before it or not (gen_first1/2, chain_first1/2). Drawn in ../plots/process_state_graphs_h100.png.
+- sustained_load_gentime_{unchecked,cbmodes,parts}_qwen35_h100.json (1949890, 1949890, 6454891; an H100, the
+  Qwen3.5 text shape; each gentime executable destroyed after its phase, so the chain stays 2.92-2.94 ms a step
+  throughout): a whole generation's token 3.12-3.14 ms with the request check's cond and without it ("unchecked":
+  the same): not the cond. Under the command buffers' other node orders: SERIALIZE the same, CONCURRENT 3.08-3.09
+  against 3.12-3.13 (-1.3%, one run). The parts: "steps" (the bare chain's body after start_loop) 2.890-2.899 ms a
+  token and "rounds" (decode rounds, their bookkeeping included) 2.899-2.907; with the prefill in the same
+  executable, "prefill_steps" 3.116-3.140 and "prefill_rounds" 3.120-3.141, the whole generation 3.127-3.129. So a
+  round's bookkeeping costs nothing and the decode loop costs ~0.22 ms a token (7.6%) more in an executable that
+  also prefills. Next, not yet run: "split" (the prefill's executable, then the rounds' own on its Loop) against
+  the whole, with --hlo-dir and --xla-log to see what differs ("gentime:steps::2,gentime:prefill_steps::2,
+  gentime:split,gentime:generate_on_device,gentime:split").
 - residual_norm_ab_{rows,unfused,blocks}_qwen35_h200.json (b1bfe2b, 180296b, 65aa4be; chain:2,stepprof,generate:2,
   each a fresh process, the first two in one machine start, the old tree from `git archive`): a kernel of our own
   for the residual add and the RMSNorm after it (docs/performance.md; since reverted) against XLA's two fusions:
