@@ -160,6 +160,12 @@ def step_profiler(params: dict, cfg, context: int, calls: int = 3):
     return lambda: kernel_times(profile(run), calls)
 
 
+def bare_step(params: dict, cfg, state):
+    """One step of the bare decode chain: decode_step, its argmax committed (no round's bookkeeping)."""
+    state, logits = decode_step(params, cfg, state)
+    return commit(state, jnp.zeros((), jnp.int32), jnp.argmax(logits).astype(jnp.int32))
+
+
 def chain_walls(params: dict, cfg, context: int, chains: list[str], iterations: int) -> dict:
     """{label: wall(trips) -> seconds} of decode chains (module docstring): "U" runs U steps a while-loop iteration,
     "U-nested" the same while loop inside a `lax.cond` (as `generate_on_device` nests its loop in the request
@@ -181,8 +187,7 @@ def chain_walls(params: dict, cfg, context: int, chains: list[str], iterations: 
             def body(carry):
                 state, i = carry
                 for _ in range(unroll):
-                    state, logits = decode_step(params, cfg, state)
-                    state = commit(state, jnp.zeros((), jnp.int32), jnp.argmax(logits).astype(jnp.int32))
+                    state = bare_step(params, cfg, state)
                 return state, i + 1
 
             def run(state):

@@ -168,6 +168,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from device_loop_profile import (  # noqa: E402
     VARIANTS,
+    bare_step,
     chain_walls,
     generation_wall,
     step_profiler,
@@ -186,7 +187,7 @@ from jspec.loop import (  # noqa: E402
     start_loop,
 )
 from jspec.state import init_state  # noqa: E402
-from jspec.steps import commit, decode_step, prefill  # noqa: E402
+from jspec.steps import prefill  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
 from jspec_bench.roofline import _xla_sum_Bps  # noqa: E402
 from jspec_bench.shapes import copy_tree, model_config, random_int4_params  # noqa: E402
@@ -336,6 +337,13 @@ def device_exec_once(engine: Engine, prompt: np.ndarray, n: int, mode: str) -> N
             jax.device_get(out).raise_if_error()
 
 
+def write_hlo(run, hlo_dir: str | None, name: str) -> None:
+    """A compiled executable's optimized HLO into hlo_dir/NAME.hlo.txt.gz (nothing without a hlo_dir)."""
+    if hlo_dir:
+        with gzip.open(os.path.join(hlo_dir, f"{name}.hlo.txt.gz"), "wt") as f:
+            f.write(run.as_text())
+
+
 def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str, hlo_dir: str | None = None):
     """One part of the greedy on-device generation (`jspec.loop`) as its own executable, spec "PART[:MODE[:RUNS]]":
     compiled with EXECUTABLE_MODES[MODE] (default "shipped"), run RUNS times (default 1; XLA records an executable's
@@ -360,11 +368,8 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str, 
         body = lambda c: (decode_round(params, cfg, settings, c[0]), c[1] + 1)  # noqa: E731
         return jax.lax.while_loop(lambda c: c[1] < trips, body, (loop, 0))[0]
 
-    def steps(params, loop, trips):  # the bare chain's body on the Loop's state (`device_loop_profile.chain_walls`)
-        def body(c):
-            state, logits = decode_step(params, cfg, c[0])
-            return commit(state, jnp.zeros((), jnp.int32), jnp.argmax(logits).astype(jnp.int32)), c[1] + 1
-
+    def steps(params, loop, trips):  # the bare chain's body on the Loop's state
+        body = lambda c: (bare_step(params, cfg, c[0]), c[1] + 1)  # noqa: E731
         return jax.lax.while_loop(lambda c: c[1] < trips, body, (loop.state, 0))[0]
 
     def prefilled(params, *request):
@@ -389,9 +394,7 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str, 
     }[part]
     options = compiler_options() and EXECUTABLE_MODES[mode or "shipped"]
     run = jax.jit(fn).lower(engine.params, *request).compile(options)
-    if hlo_dir:
-        with gzip.open(os.path.join(hlo_dir, f"{part}_{mode or 'shipped'}.hlo.txt.gz"), "wt") as f:
-            f.write(run.as_text())
+    write_hlo(run, hlo_dir, f"{part}_{mode or 'shipped'}")
     for _ in range(int(runs or 1)):
         jax.block_until_ready(run(engine.params, *request))
     return run
@@ -609,9 +612,7 @@ def split_rounds(engine: Engine, loop, mode: str, hlo_dir: str | None):
 
     options = compiler_options() and EXECUTABLE_MODES[mode or "shipped"]
     run = jax.jit(rounds, donate_argnums=1).lower(engine.params, loop).compile(options)
-    if hlo_dir:
-        with gzip.open(os.path.join(hlo_dir, f"split_rounds_{mode or 'shipped'}.hlo.txt.gz"), "wt") as f:
-            f.write(run.as_text())
+    write_hlo(run, hlo_dir, f"split_rounds_{mode or 'shipped'}")
     for _ in range(2):
         jax.block_until_ready(run(engine.params, copy_tree(loop)))
     return run
@@ -629,7 +630,7 @@ def phase_gentime(s: Session, spec: str) -> dict:
     part, _, rest = spec.partition(":")
     mode, _, repeats = rest.partition(":")
     if part not in (*GENTIME_PARTS, "split"):
-        raise ValueError(f"gentime times a part whose tokens follow max_new ({', '.join(GENTIME_PARTS)}), not {part!r}")
+        raise ValueError(f"gentime times one of {', '.join(GENTIME_PARTS)} or split, not {part!r}")
     prompt, length, _, eos = s.engine.request(s.prompt, s.n, ()).loop_args(s.engine.max_len)
     if part == "split":  # prefill_round's executable, then the rounds' own on its Loop: two calls, no host sync
         first = generation_part_once(s.engine, s.prompt, s.n, f"prefill_round:{mode}:2", s.opts.hlo_dir)
