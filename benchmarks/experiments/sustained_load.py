@@ -183,6 +183,7 @@ from jspec.loop import (  # noqa: E402
     decode_round,
     first_round,
     generate_on_device,
+    generation_rounds,
     prefill_round,
     start_loop,
 )
@@ -602,13 +603,13 @@ def phase_generate(s: Session, repeats: str) -> dict:
 
 
 def split_rounds(engine: Engine, loop, mode: str, hlo_dir: str | None):
-    """The greedy generation's rounds (`jspec.loop._generate`'s while loop, until the Loop is done) as an executable
-    of their own on a Loop made by another (its buffers donated), compiled with EXECUTABLE_MODES[mode] and run twice
-    on copies of `loop`."""
+    """The greedy generation's rounds (`jspec.loop.generation_rounds`, until the Loop is done) as an executable of
+    their own on a Loop made by another (its buffers donated), compiled with EXECUTABLE_MODES[mode] and run twice on
+    copies of `loop`."""
     cfg, settings = engine.cfg, engine.settings()
 
     def rounds(params, lp):
-        return jax.lax.while_loop(lambda x: ~x.done, lambda x: decode_round(params, cfg, settings, x), lp)
+        return generation_rounds(params, cfg, settings, lp)
 
     options = compiler_options() and EXECUTABLE_MODES[mode or "shipped"]
     run = jax.jit(rounds, donate_argnums=1).lower(engine.params, loop).compile(options)
