@@ -332,9 +332,9 @@ class Engine:
     def _device_exec(self, settings: LoopSettings, weights: tuple):
         """The on-device generation, run(weights, *request) -> DeviceGeneration: `generate_on_device`'s stages as
         two executables called back to back, no host sync between them: the prefill's (request -> Loop) and the
-        rounds' (the Loop, donated -> the finished Loop in its buffers, and the result), since a decode loop costs
-        ~7.6% more a token in an executable that also prefills (docs/performance.md). The request is checked on the
-        host (`request`), so nothing is refused on device."""
+        rounds' (the Loop, donated -> the finished Loop in its buffers, and the result), since a decode loop cost
+        4.5% more a token in an executable that also prefills (Llama-3-8B shape, H100; docs/performance.md). The
+        request is checked on the host (`request`), so nothing is refused on device."""
 
         def prefilled(weights, prompt, length, max_new, eos_ids, sampler=None):
             params, own = weights

@@ -604,7 +604,7 @@ def _generate(params, cfg: ModelConfig, settings: LoopSettings, prompt, prompt_l
 def generation_rounds(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop, own=None) -> Loop:
     """Every round after `prefill_round` until the Loop is done (decode rounds, or verify rounds where the loop
     asks). The Engine runs it as an executable of its own after the prefill's: a decode loop sharing its executable
-    with the prefill costs ~7.6% more a token on an H100 (docs/performance.md)."""
+    with the prefill cost 4.5% more a token (Llama-3-8B shape, H100; docs/performance.md)."""
 
     def body(loop: Loop) -> Loop:
         if settings.drafter is None:

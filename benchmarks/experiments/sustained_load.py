@@ -115,9 +115,14 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   token and "rounds" (decode rounds, their bookkeeping included) 2.899-2.907; with the prefill in the same
   executable, "prefill_steps" 3.116-3.140 and "prefill_rounds" 3.120-3.141, the whole generation 3.127-3.129. So a
   round's bookkeeping costs nothing and the decode loop costs ~0.22 ms a token (7.6%) more in an executable that
-  also prefills. Next, not yet run: "split" (the prefill's executable, then the rounds' own on its Loop) against
-  the whole, with --hlo-dir and --xla-log to see what differs ("gentime:steps::2,gentime:prefill_steps::2,
-  gentime:split,gentime:generate_on_device,gentime:split").
+  also prefills.
+- sustained_load_split{,_reversed}_{llama,qwen35}_h100.json (c73f439; an H100; the Engine's on-device generation
+  split into the prefill's executable and the rounds'; phases chain:1,gentime:generate_on_device,generate:3,
+  gentime:split,generate:3,chain:1 and, reversed, chain:1,gentime:split,generate:3,gentime:generate_on_device,
+  generate:3,chain:1): Llama-3-8B shape, the Engine's token 2.69-2.75 ms and the split's 2.71-2.73 against the one
+  executable's 2.83-2.88 and the chain's 2.70-2.74 (-4.5%); Qwen3.5 text shape, the one executable 3.06-3.12, the
+  split 3.07-3.08, the Engine 3.06-3.13, the chain 2.87 fresh and 3.07-3.10 after the generations: at the hybrid
+  shape the gap is the decode loop after a real prefill, in its executable or not.
 - residual_norm_ab_{rows,unfused,blocks}_qwen35_h200.json (b1bfe2b, 180296b, 65aa4be; chain:2,stepprof,generate:2,
   each a fresh process, the first two in one machine start, the old tree from `git archive`): a kernel of our own
   for the residual add and the RMSNorm after it (docs/performance.md; since reverted) against XLA's two fusions:
@@ -341,6 +346,7 @@ def device_exec_once(engine: Engine, prompt: np.ndarray, n: int, mode: str) -> N
 def write_hlo(run, hlo_dir: str | None, name: str) -> None:
     """A compiled executable's optimized HLO into hlo_dir/NAME.hlo.txt.gz (nothing without a hlo_dir)."""
     if hlo_dir:
+        os.makedirs(hlo_dir, exist_ok=True)
         with gzip.open(os.path.join(hlo_dir, f"{name}.hlo.txt.gz"), "wt") as f:
             f.write(run.as_text())
 
