@@ -5,8 +5,8 @@ compiled ahead of time once, whatever the prompt: start (a fresh state holding t
 prefill chunks (up to N chunks of one shape per call; one executable per chunk shape), the first round, decode
 rounds (decode_step, M=1) and verify rounds (verify_step, M=k+1). The loop state is donated, so the KV cache is
 updated in place.
-On-device loop (`on_device=True`): `jspec.loop.generate_on_device`'s stages in two executables called back to back,
-the prefill's and the rounds' (`_device_exec`), with the same rounds and therefore the same tokens.
+On-device loop (`on_device=True`): prefill and the whole loop in one executable
+(`jspec.loop.generate_on_device`), with the same rounds and therefore the same tokens.
 Batches (`generate_batch`): `batch_size` slots share every step (`jspec.batch`); three executables per setting
 (empty slots, a prompt into one slot, up to N rounds of every slot), a slot that stops taking the next prompt.
 """
@@ -31,11 +31,9 @@ from jspec.gate import HitDensityGate
 from jspec.loop import (
     MAX_EOS_IDS,
     LoopSettings,
-    device_generation,
     eos_array,
     first_round,
-    generation_rounds,
-    prefill_round,
+    generate_on_device,
     prefill_rounds,
     run_rounds,
     start_loop,
@@ -330,24 +328,12 @@ class Engine:
         return self._compile((kind, settings), run, weights, loop_shape, counted, donate=(1,))
 
     def _device_exec(self, settings: LoopSettings, weights: tuple):
-        """The on-device generation, run(weights, *request) -> DeviceGeneration: `generate_on_device`'s stages as
-        two executables called back to back, no host sync between them: the prefill's (request -> Loop) and the
-        rounds' (the Loop, donated -> the finished Loop in its buffers, and the result), since a decode loop cost
-        4.5% more a token in an executable that also prefills (Llama-3-8B shape, H100; docs/performance.md). The
-        request is checked on the host (`request`), so nothing is refused on device."""
-
-        def prefilled(weights, prompt, length, max_new, eos_ids, sampler=None):
+        def run(weights, prompt, length, max_new, eos_ids, sampler=None):
             params, own = weights
-            return prefill_round(params, self.shard_cfg, settings, prompt, length, max_new, eos_ids, sampler, own)
+            return generate_on_device(params, self.shard_cfg, prompt, length, max_new, settings, eos_ids, sampler, own)
 
-        def rounds(weights, loop):
-            loop = generation_rounds(weights[0], self.shard_cfg, settings, loop, weights[1])
-            return loop, device_generation(settings, loop)
-
-        first = self._compile(("device-prefill", settings), prefilled, weights, *self._request_args(settings))
-        specs = (tensor_parallel.LOOP_SPECS, tensor_parallel.REPLICATED)
-        rest = self._compile(("device-rounds", settings), rounds, weights, first.out_info, donate=(1,), out=specs)
-        return lambda weights, *request: rest(weights, first(weights, *request))[1]
+        args = (weights, *self._request_args(settings))
+        return self._compile(("device", settings), run, *args, out=tensor_parallel.REPLICATED)
 
     def _batch_execs(self, settings: LoopSettings, weights: tuple):
         """(empty slots, a request into one slot, up to N rounds of every slot) for batch_size slots."""
@@ -419,8 +405,7 @@ class Engine:
         sampler: None (greedy) or a `jspec.Sampler`: sampled tokens, the same for a seed with any drafter.
         eos_id: stop after this token or any of these tokens; None: the model's own (`cfg.eos_token_ids`); ():
           never stop at a token.
-        on_device: run prefill and the whole loop on device (two executables, no host sync between them) instead of
-          the host loop.
+        on_device: run prefill and the whole loop as one executable instead of the host loop.
         progress: show progress bars (prefill chunks, new tokens; host loop).
         rounds_per_call: the most rounds the host loop runs in one device call. A call runs rounds of one kind
           (decode or verify) and returns early when the loop asks for the other kind or stops; every call costs

@@ -1,8 +1,7 @@
 """The generation loop as pure functions over a `Loop` pytree: start (a fresh state holding the prompt), prefill
 chunks, the first round, then decode and verify rounds. The Engine jits each stage into its own executable and
 drives them from the host; `generate_on_device` runs the same stages inside `lax.while_loop` and can be called
-inside a user's `jax.jit` (the Engine's on-device generation runs it as two executables: `prefill_round`, then
-`generation_rounds`).
+inside a user's `jax.jit`: `prefill_round`, then `generation_rounds`, then `device_generation`.
 
 A round = step (decode_step or verify_step) -> greedy accept -> commit -> record tokens and stats -> drafter
 proposes the next draft -> the gate decides whether the next round verifies.
@@ -603,8 +602,7 @@ def _generate(params, cfg: ModelConfig, settings: LoopSettings, prompt, prompt_l
 
 def generation_rounds(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop, own=None) -> Loop:
     """Every round after `prefill_round` until the Loop is done (decode rounds, or verify rounds where the loop
-    asks). The Engine runs it as an executable of its own after the prefill's: a decode loop sharing its executable
-    with the prefill cost 4.5% more a token (Llama-3-8B shape, H100; docs/performance.md)."""
+    asks), in one `lax.while_loop`."""
 
     def body(loop: Loop) -> Loop:
         if settings.drafter is None:

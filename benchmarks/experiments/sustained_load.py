@@ -119,10 +119,12 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
 - sustained_load_split{,_reversed}_{llama,qwen35}_h100.json (c73f439; an H100; the Engine's on-device generation
   split into the prefill's executable and the rounds'; phases chain:1,gentime:generate_on_device,generate:3,
   gentime:split,generate:3,chain:1 and, reversed, chain:1,gentime:split,generate:3,gentime:generate_on_device,
-  generate:3,chain:1): Llama-3-8B shape, the Engine's token 2.69-2.75 ms and the split's 2.71-2.73 against the one
-  executable's 2.83-2.88 and the chain's 2.70-2.74 (-4.5%); Qwen3.5 text shape, the one executable 3.06-3.12, the
-  split 3.07-3.08, the Engine 3.06-3.13, the chain 2.87 fresh and 3.07-3.10 after the generations: at the hybrid
-  shape the gap is the decode loop after a real prefill, in its executable or not.
+  generate:3,chain:1; "generate" is the split Engine of that commit): Llama-3-8B shape, the Engine's token
+  2.69-2.75 ms and the split's 2.71-2.73 against the one executable's 2.83-2.88 and the chain's 2.70-2.74 (`jspec
+  bench`'s end-to-end greedy does not reproduce it: ../results/bench_e2e_split_ab*_h100.json, so the Engine keeps
+  one executable); Qwen3.5 text shape, the one executable 3.06-3.12, the split 3.07-3.08, the Engine 3.06-3.13, the
+  chain 2.87 fresh and 3.07-3.10 after the generations: the decode loop after a real prefill, in its executable or
+  not.
 - residual_norm_ab_{rows,unfused,blocks}_qwen35_h200.json (b1bfe2b, 180296b, 65aa4be; chain:2,stepprof,generate:2,
   each a fresh process, the first two in one machine start, the old tree from `git archive`): a kernel of our own
   for the residual add and the RMSNorm after it (docs/performance.md; since reverted) against XLA's two fusions:
