@@ -1,7 +1,7 @@
 """The generation loop as pure functions over a `Loop` pytree: start (a fresh state holding the prompt), prefill
 chunks, the first round, then decode and verify rounds. The Engine jits each stage into its own executable and
 drives them from the host; `generate_on_device` runs the same stages inside `lax.while_loop` and can be called
-inside a user's `jax.jit`: `prefill_round`, then `generation_rounds`, then `device_generation`.
+inside a user's `jax.jit`: `prefill_round`, then `generation_rounds`.
 
 A round = step (decode_step or verify_step) -> greedy accept -> commit -> record tokens and stats -> drafter
 proposes the next draft -> the gate decides whether the next round verifies.
@@ -597,7 +597,11 @@ def sampler_values(sampler, settings: LoopSettings) -> SamplerValues | None:
 
 def _generate(params, cfg: ModelConfig, settings: LoopSettings, prompt, prompt_len, max_new_tokens, eos, sampler, own):
     loop = prefill_round(params, cfg, settings, prompt, prompt_len, max_new_tokens, eos, sampler, own)
-    return device_generation(settings, generation_rounds(params, cfg, settings, loop, own))
+    loop = generation_rounds(params, cfg, settings, loop, own)
+    tokens = jax.lax.dynamic_slice_in_dim(
+        jnp.pad(loop.state.tokens, (0, settings.max_len)), loop.prompt_len, settings.max_len
+    )
+    return DeviceGeneration(tokens, loop.n_out, loop.stop, loop.counters, jnp.zeros((), jnp.int32))
 
 
 def generation_rounds(params: dict, cfg: ModelConfig, settings: LoopSettings, loop: Loop, own=None) -> Loop:
@@ -615,12 +619,3 @@ def generation_rounds(params: dict, cfg: ModelConfig, settings: LoopSettings, lo
         )
 
     return jax.lax.while_loop(lambda lp: ~lp.done, body, loop)
-
-
-def device_generation(settings: LoopSettings, loop: Loop) -> DeviceGeneration:
-    """A finished Loop's result: its new tokens from the prompt's end, their count, the stop reason, the counters
-    (error 0: the request was checked before it ran)."""
-    tokens = jax.lax.dynamic_slice_in_dim(
-        jnp.pad(loop.state.tokens, (0, settings.max_len)), loop.prompt_len, settings.max_len
-    )
-    return DeviceGeneration(tokens, loop.n_out, loop.stop, loop.counters, jnp.zeros((), jnp.int32))
