@@ -142,12 +142,13 @@ def measure(engine: Engine, prompt: np.ndarray, n: int, on_device: bool, repeats
     return out
 
 
-def step_profiler(params: dict, cfg, context: int, calls: int = 3):
-    """profile() -> the decode step's GPU kernels per call (`kernel_times`) over `calls` chained calls at `context`,
-    compiled once (None off the GPU)."""
+def step_profiler(params: dict, cfg, context: int, calls: int = 3, state=None):
+    """profile() -> the decode step's GPU kernels per call (`kernel_times`) over `calls` chained calls on `state`
+    (default: a random one at `context`), compiled once (None off the GPU)."""
     if jax.default_backend() != "gpu":
         return None
-    state = random_state(cfg, context + 2 * ROW_TILE, context, jnp.bfloat16, 1)
+    if state is None:
+        state = random_state(cfg, context + 2 * ROW_TILE, context, jnp.bfloat16, 1)
     decode = lower_steps(params, cfg, state, {})["decode"].compile(compiler_options=compiler_options())
 
     def run():

@@ -31,7 +31,9 @@ reasons (`nvidia-smi`):
   "einsum_default" (its float32 q k^T products, HIGHEST / default precision), "scan" (its chunk loop's state
   updates), "cumexp" (its decays), "parts" (those four, one executable each, one after another); "kernels:N": N
   small executables of one elementwise kernel each (N distinct kernels loaded); "gemm[:MODE]": a bf16 dot;
-  "stepprof": the decode step's kernels, profiled (`device_loop_profile.step_profiler`); "d2h:WHAT": arrays made on
+  "stepprof": the decode step's kernels, profiled (`device_loop_profile.step_profiler`); "stepstate:STATE": the bare
+  chain and the step's kernels on a state made as STATE says (prefilled, start, random, zeros: `phase_stepstate`),
+  to tell a real prefill's data from the process; "d2h:WHAT": arrays made on
   the device copied to the host (`phase_d2h`); "alloc:G": G GiB allocated and freed.
 - --xla-log LOG: the process's stderr (2> LOG), with TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3
   (without the first, jax 0.11 logs none of them): every phase's XLA command-buffer log lines counted into the
@@ -198,7 +200,8 @@ from jspec.state import init_state  # noqa: E402
 from jspec.steps import prefill  # noqa: E402
 from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
 from jspec_bench.roofline import _xla_sum_Bps  # noqa: E402
-from jspec_bench.shapes import copy_tree, model_config, random_int4_params  # noqa: E402
+from jspec_bench.shapes import copy_tree, model_config, random_int4_params, random_state  # noqa: E402
+from pallas_kernels import ROW_TILE  # noqa: E402
 from pallas_kernels.int4_ws import Int4Codes  # noqa: E402
 from pallas_kernels.matmul import linear  # noqa: E402
 from pallas_kernels.prefill_attention import chunk_attention  # noqa: E402
@@ -662,6 +665,54 @@ def phase_stepprof(s: Session, _: str) -> dict:
     return {"step": s.step_kernels and s.step_kernels()}
 
 
+def step_state(s: Session, which: str):
+    """The decode state STATE names, at the Engine's max_len: "prefilled" (the Loop's after `prefill_round`'s
+    executable, destroyed after one run, on the session's prompt: the real prefill's caches and recurrent states,
+    position = prompt length), "random" (`random_state` at that position: the bare chain's kind of state), "zeros"
+    (`init_state`'s zeros at that position), "start" (`start_loop`'s: the prompt written, position 0)."""
+    engine, cfg = s.engine, s.cfg
+    request = engine.request(s.prompt, s.n, ()).loop_args(engine.max_len)
+    if which in ("prefilled", "start"):
+        part = "prefill_round" if which == "prefilled" else "start"
+        run = generation_part_once(engine, s.prompt, s.n, part)
+        return run(engine.params, *request).state
+    position = len(s.prompt)
+    if which == "random":
+        return random_state(cfg, engine.max_len, position, jnp.bfloat16, 1)
+    if which == "zeros":
+        return dataclasses.replace(init_state(cfg, engine.max_len, jnp.bfloat16), position=jnp.asarray(position))
+    raise ValueError(f"stepstate takes prefilled, start, random or zeros, not {which!r}")
+
+
+def phase_stepstate(s: Session, which: str) -> dict:
+    """The bare chain (`bare_step` in a while loop) and the decode step's kernels (`step_profiler`, 3 calls) on the
+    state STATE names (`step_state`): its ms a step, (wall(T) - wall(1)) / (T - 1) with T as many steps as the
+    state's cache has room for (one row tile kept free, as the Engine keeps it; at most --iterations), 5 times; then
+    the profile."""
+    state = step_state(s, which)
+    trips = min(s.opts.iterations, s.engine.max_len - int(state.position) - ROW_TILE)  # the Engine's own margin
+    if trips < 2:
+        raise ValueError(f"stepstate:{which}: the cache has room for {trips} steps from {int(state.position)}")
+
+    def chain(params, state, trips):
+        body = lambda c: (bare_step(params, s.cfg, c[0]), c[1] + 1)  # noqa: E731
+        return jax.lax.while_loop(lambda c: c[1] < trips, body, (state, jnp.zeros((), jnp.int32)))[0]
+
+    run = jax.jit(chain, donate_argnums=1).lower(s.engine.params, state, 1).compile(compiler_options())
+
+    def wall(t: int) -> float:
+        fresh = copy_tree(state)
+        jax.block_until_ready(fresh)
+        t0 = time.perf_counter()
+        run(s.engine.params, fresh, t).position.block_until_ready()
+        return time.perf_counter() - t0
+
+    wall(trips), wall(1)
+    ms = [1e3 * (wall(trips) - wall(1)) / (trips - 1) for _ in range(5)]
+    profiler = step_profiler(s.engine.params, s.cfg, s.opts.context, state=state)
+    return {"position": int(state.position), "trips": trips, "ms_per_step": ms, "step": profiler and profiler()}
+
+
 def phase_context(what: str) -> Callable[[Session, str], dict]:
     """The runner of "stack:B" / "cacheconfig:C" (`set_context`)."""
 
@@ -745,6 +796,7 @@ PHASE_RUNNERS = {  # kind -> runner(session, the phase's argument) -> what the p
     "gemm": timed(lambda s, mode: gemm_once(mode)),
     "kernels": timed(lambda s, n: distinct_kernels_once(int(n))),
     "stepprof": phase_stepprof,
+    "stepstate": phase_stepstate,
     "alloc": phase_alloc,
     "d2h": phase_d2h,
     "stack": phase_context("stack"),
