@@ -31,9 +31,9 @@ reasons (`nvidia-smi`):
   "einsum_default" (its float32 q k^T products, HIGHEST / default precision), "scan" (its chunk loop's state
   updates), "cumexp" (its decays), "parts" (those four, one executable each, one after another); "kernels:N": N
   small executables of one elementwise kernel each (N distinct kernels loaded); "gemm[:MODE]": a bf16 dot;
-  "stepprof": the decode step's kernels, profiled (`device_loop_profile.step_profiler`); "stepstate:STATE": the bare
-  chain and the step's kernels on a state made as STATE says (prefilled, start, random, zeros: `phase_stepstate`),
-  to tell a real prefill's data from the process; "d2h:WHAT": arrays made on
+  "stepprof": the decode step's kernels, profiled (`device_loop_profile.step_profiler`); "stepstate:STATE[:prof]": the
+  bare chain (and, with ":prof", the step's kernels) on a state made as STATE says (prefilled, start, random, zeros,
+  a mix: `step_state`), to tell a real prefill's data from the process; "d2h:WHAT": arrays made on
   the device copied to the host (`phase_d2h`); "alloc:G": G GiB allocated and freed.
 - --xla-log LOG: the process's stderr (2> LOG), with TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3
   (without the first, jax 0.11 logs none of them): every phase's XLA command-buffer log lines counted into the
@@ -556,6 +556,7 @@ class Session:
     generation_warm: bool = False  # the Engine's generation executables compiled and run ("warm"; "drop" clears)
     holding: bool = False  # the phase running is a "+KIND:ARG": its executables go to `held`
     held: list = dataclasses.field(default_factory=list)  # executables alive until "drop"
+    prefilled: object = None  # the DecodeState a real prefill left ("stepstate:prefilled"), made once
 
 
 def chain_timer(engine: Engine, cfg: ModelConfig, context: int, label: str, iterations: int) -> Callable[[], float]:
@@ -665,30 +666,54 @@ def phase_stepprof(s: Session, _: str) -> dict:
     return {"step": s.step_kernels and s.step_kernels()}
 
 
+STATE_GROUPS = ("kv", "ssm", "conv", "tokens", "hidden")  # a DecodeState's leaves, by what they hold
+
+
+def state_group(path) -> str:
+    """The STATE_GROUPS name of a DecodeState leaf's path ("other" for position and slot)."""
+    key = jax.tree_util.keystr(path)
+    if key.startswith(".cache"):
+        return "ssm" if "'ssm'" in key else "conv" if "'conv'" in key else "kv"
+    return key[1:] if key[1:] in STATE_GROUPS else "other"
+
+
 def step_state(s: Session, which: str):
     """The decode state STATE names, at the Engine's max_len: "prefilled" (the Loop's after `prefill_round`'s
     executable, destroyed after one run, on the session's prompt: the real prefill's caches and recurrent states,
-    position = prompt length), "random" (`random_state` at that position: the bare chain's kind of state), "zeros"
-    (`init_state`'s zeros at that position), "start" (`start_loop`'s: the prompt written, position 0)."""
+    position = prompt length; made once a session), "random" (`random_state` at that position: the bare chain's kind
+    of state), "random+prefill" (random, made after a run of prefill_round's executable, compiled again), "zeros"
+    (`init_state`'s zeros at that position), "start" (`start_loop`'s: the prompt written, position 0),
+    "prefilled-GROUP" (prefilled with the leaves of one of STATE_GROUPS taken from random)."""
     engine, cfg = s.engine, s.cfg
     request = engine.request(s.prompt, s.n, ()).loop_args(engine.max_len)
-    if which in ("prefilled", "start"):
-        part = "prefill_round" if which == "prefilled" else "start"
-        run = generation_part_once(engine, s.prompt, s.n, part)
-        return run(engine.params, *request).state
     position = len(s.prompt)
+    random = random_state(cfg, engine.max_len, position, jnp.bfloat16, 1)
     if which == "random":
-        return random_state(cfg, engine.max_len, position, jnp.bfloat16, 1)
+        return random
     if which == "zeros":
         return dataclasses.replace(init_state(cfg, engine.max_len, jnp.bfloat16), position=jnp.asarray(position))
-    raise ValueError(f"stepstate takes prefilled, start, random or zeros, not {which!r}")
+    if which == "start":
+        return generation_part_once(engine, s.prompt, s.n, "start")(engine.params, *request).state
+    if which == "random+prefill" or (which.startswith("prefilled") and s.prefilled is None):
+        s.prefilled = generation_part_once(engine, s.prompt, s.n, "prefill_round")(engine.params, *request).state
+    if which == "random+prefill":
+        return random
+    group = which.removeprefix("prefilled").removeprefix("-") or None
+    if which.startswith("prefilled") and group in (None, *STATE_GROUPS):
+        pick = lambda path, real, rand: rand if state_group(path) == group else real  # noqa: E731
+        return jax.tree_util.tree_map_with_path(pick, s.prefilled, random)
+    raise ValueError(
+        f"stepstate takes prefilled[-GROUP] (GROUP: {', '.join(STATE_GROUPS)}), random, random+prefill, zeros or "
+        f"start, not {which!r}"
+    )
 
 
-def phase_stepstate(s: Session, which: str) -> dict:
-    """The bare chain (`bare_step` in a while loop) and the decode step's kernels (`step_profiler`, 3 calls) on the
-    state STATE names (`step_state`): its ms a step, (wall(T) - wall(1)) / (T - 1) with T as many steps as the
-    state's cache has room for (one row tile kept free, as the Engine keeps it; at most --iterations), 5 times; then
-    the profile."""
+def phase_stepstate(s: Session, spec: str) -> dict:
+    """The bare chain (`bare_step` in a while loop) on the state STATE names (`step_state`; spec "STATE[:prof]"): its
+    ms a step, (wall(T) - wall(1)) / (T - 1) with T as many steps as the state's cache has room for (one row tile
+    kept free, as the Engine keeps it; at most --iterations), 5 times; with ":prof", then the decode step's kernels
+    on it (`step_profiler`, 3 calls)."""
+    which, _, prof = spec.partition(":")
     state = step_state(s, which)
     trips = min(s.opts.iterations, s.engine.max_len - int(state.position) - ROW_TILE)  # the Engine's own margin
     if trips < 2:
@@ -709,7 +734,7 @@ def phase_stepstate(s: Session, which: str) -> dict:
 
     wall(trips), wall(1)
     ms = [1e3 * (wall(trips) - wall(1)) / (trips - 1) for _ in range(5)]
-    profiler = step_profiler(s.engine.params, s.cfg, s.opts.context, state=state)
+    profiler = prof and step_profiler(s.engine.params, s.cfg, s.opts.context, state=state)
     return {"position": int(state.position), "trips": trips, "ms_per_step": ms, "step": profiler and profiler()}
 
 
