@@ -1,5 +1,5 @@
-"""XLA's autotuner and prefill: time to first token and decode tok/s of the Engine compiled with the shipped
-options against variants that take XLA's autotuner out, one process, interleaved.
+"""XLA's options and the Engine: time to first token and decode tok/s of the Engine compiled with the shipped
+options against variants (XLA's autotuner on; cuBLAS outside the CUDA graphs), one process, interleaved.
 
 Why the Engine compiles with XLA's autotuner off and its products on cuBLAS: prefill's products (and the Gated
 DeltaNet chunked recurrence's float32 dots) are XLA's own, and with autotuning on XLA picks their Triton tiling or
@@ -21,9 +21,16 @@ alone, against level 4: autotune0_triton against autotuned): time to first token
 first token 0.256 against 0.244 s, decode 281 against 282 tok/s, the same tokens;
 experiments/results/autotune_cost_cublas_both_h100.json (a1e3072, both models, autotuned against shipped): time to
 first token 0.154 against 0.146 s (Llama-3-8B) and 0.249 against 0.239 s (Qwen3.5), decode 310 / 308 and 291 / 293
-tok/s, the same tokens.
+tok/s, the same tokens; experiments/results/autotune_cost_cublas_both_rerun_h100.json (09f1982, the same): 0.151
+against 0.144 s and 0.250 against 0.242 s, decode 317 / 316 and 294 / 294 tok/s, the same tokens.
+
+Other options the same way: "no_blas_graphs" (cuBLAS calls outside the CUDA graphs; the Llama-3-8B generation's token
+-5% in `sustained_load.py`'s gentime_modes run), with --on-device to time the Engine's on-device loop, where it
+matters (the host loop's decode steps hold no cuBLAS call).
 
     python3 benchmarks/experiments/autotune_cost.py --variants autotuned --commit SHA --out $OUT/autotune_cost_h200.json
+    python3 benchmarks/experiments/autotune_cost.py --models llama-3-8b,qwen3.5 --variants no_blas_graphs --on-device \
+        --prompt 320 --new 129 --repeats 5 --commit SHA --out $OUT/no_blas_graphs_h200.json
     python3 benchmarks/experiments/autotune_cost.py --quick --out /tmp/autotune_cost_cpu.json   # CPU smoke
 """
 
@@ -50,6 +57,15 @@ VARIANTS = {  # added to the shipped GPU options (level 0, cuBLAS: jspec.engine.
     "shipped": {},
     "autotuned": {"xla_gpu_autotune_level": 4, "xla_gpu_enable_triton_gemm": True},  # XLA's defaults
     "autotune0_triton": {"xla_gpu_enable_triton_gemm": True},  # XLA's default Triton tiling for every product
+    # cuBLAS / cuBLASLt calls (the prefill's products, the chunked recurrence's) outside the CUDA graphs: launched
+    # from the host, so a loop holding them is no WHILE command buffer either (sustained_load_gentime_modes_*.json)
+    "no_blas_graphs": {
+        "xla_gpu_enable_command_buffer": ",".join(
+            kind
+            for kind in engine_module.GPU_COMPILER_OPTIONS["xla_gpu_enable_command_buffer"].split(",")
+            if kind not in ("CUBLAS", "CUBLASLT")
+        )
+    },
 }
 
 
@@ -75,17 +91,17 @@ def measure(name: str, args) -> dict:
         engines[variant] = jspec.Engine(params, cfg, max_len=args.prompt + args.new + 16)
         with gpu_options(extra):
             t0 = time.perf_counter()
-            engines[variant].generate(prompt, args.new, eos_id=())  # compiles start, prefill, first, decode
+            engines[variant].generate(prompt, args.new, eos_id=(), on_device=args.on_device)  # compiles every part
             out["variants"][variant] = {"compile_and_first_call_s": time.perf_counter() - t0, "trials": []}
         print(name, variant, f"compile + first call {out['variants'][variant]['compile_and_first_call_s']:.1f} s")
     for r in range(args.repeats):
         for variant in list(variants)[:: 1 if r % 2 == 0 else -1]:
             engine = engines[variant]
             t0 = time.perf_counter()
-            engine.generate(prompt, 1, eos_id=())
+            engine.generate(prompt, 1, eos_id=(), on_device=args.on_device)
             ttft = time.perf_counter() - t0
             t0 = time.perf_counter()
-            tokens = engine.generate(prompt, args.new, eos_id=()).tokens
+            tokens = engine.generate(prompt, args.new, eos_id=(), on_device=args.on_device).tokens
             decode_s = time.perf_counter() - t0 - ttft
             trial = dict(ttft_s=ttft, decode_tok_s=(args.new - 1) / decode_s, tokens=bits_digest(np.int32(tokens)))
             out["variants"][variant]["trials"].append(trial)
@@ -117,12 +133,13 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=65, help="new tokens of the decode timing")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variants", default="autotuned,autotune0_triton", help=f"comma list of {list(VARIANTS)[1:]}")
+    ap.add_argument("--on-device", action="store_true", help="time the on-device loop (default: the host loop)")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: the tiny shrunk shapes")
     args = ap.parse_args()
     if args.quick:
         args.prompt, args.new, args.repeats = 40, 5, 2
     t0 = time.perf_counter()
-    out = dict(meta=experiment_meta(args.commit, prompt=args.prompt, new=args.new))
+    out = dict(meta=experiment_meta(args.commit, prompt=args.prompt, new=args.new, on_device=args.on_device))
     out["models"] = {}
     for name in args.models.split(","):
         out["models"][name] = measure(name, args)

@@ -18,8 +18,8 @@ and MTP's `main` digests within a process, and every digest across processes. A 
 with autotuning off; at d54e0ec two with it on did not end within a 140 s timeout (their compiles autotune).
 
 Runs: experiments/results/prefill_determinism_*_h100.json (benchmarks/README.md's rows); the shipped options (level 0,
-cuBLAS) gave the same bits in three of three processes twice on the H100 (eab233c; a1e3072: cublas_rerun_{1,2,3},
-41 cuBLASLt calls and no Triton GEMM in each executable).
+cuBLAS) gave the same bits in three of three processes three times on the H100 (eab233c; a1e3072: cublas_rerun_{1,2,3},
+41 cuBLASLt calls and no Triton GEMM in each executable; 09f1982: cublas_rerun2_{1,2,3}, the digests of a1e3072).
 
     for i in 1 2 3; do python3 benchmarks/experiments/prefill_determinism.py --commit SHA --out $OUT/pd_$i.json; done
     python3 benchmarks/experiments/prefill_determinism.py --small --out /tmp/pd_cpu.json   # CPU smoke

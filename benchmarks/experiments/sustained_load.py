@@ -127,6 +127,21 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   one executable); Qwen3.5 text shape, the one executable 3.06-3.12, the split 3.07-3.08, the Engine 3.06-3.13, the
   chain 2.87 fresh and 3.07-3.10 after the generations: the decode loop after a real prefill, in its executable or
   not.
+- sustained_load_rounds_split_qwen35_h100.json (09f1982; chain:1,gentime:rounds,gentime:split,gentime:rounds,
+  chain:1): the rounds after start_loop 2.898-2.908 ms a token before and after the split's 3.11-3.14, the chain
+  2.92 at both ends.
+- sustained_load_stepstate_qwen35_h100.json (3abfba8, each stepstate with a profile) and
+  sustained_load_stepstate_mix_qwen35_h100.json (62922f6; chain:1,stepstate:random,warm,generate:2,chain:1,
+  stepstate:random,stepstate:random+prefill,stepstate:prefilled,stepstate:prefilled-{kv,ssm,conv,hidden,tokens},
+  stepstate:random,chain:1): not the prefill's data. The chain on a real prefill's state 2.83-2.89 ms a step, on a
+  random one 2.82-2.87; after the Engine's generation (3.09-3.11 a token) the chain and a random state 3.03-3.10;
+  right after one run of a new prefill_round executable the random state 2.86 again, every mix 2.82-2.90, the
+  chain 2.90. The step's kernels 3088-3127 us in 450 launches whatever the state.
+- sustained_load_gentime_modes_{qwen35,llama}_h100.json (62922f6; chain:1,gentime:generate_on_device[:MODE] for
+  shipped, no_blas_graphs, host_while, no_graphs, gentime:rounds,chain:1): Llama-3-8B shape, the generation's token
+  2.839-2.849 ms shipped, 2.697-2.699 with cuBLAS calls outside the graphs (the chain 2.68-2.70, the rounds without
+  prefill 2.65-2.67), 2.72-2.73 with host-driven loops, 2.95-3.08 without graphs; Qwen3.5 text shape 3.06-3.08,
+  3.06-3.09, 3.09-3.12, 3.31-3.40 (the rounds 2.84-2.87, the chain 2.83-2.89).
 - residual_norm_ab_{rows,unfused,blocks}_qwen35_h200.json (b1bfe2b, 180296b, 65aa4be; chain:2,stepprof,generate:2,
   each a fresh process, the first two in one machine start, the old tree from `git archive`): a kernel of our own
   for the residual add and the RMSNorm after it (docs/performance.md; since reverted) against XLA's two fusions:
