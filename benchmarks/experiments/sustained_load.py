@@ -12,7 +12,8 @@ reasons (`nvidia-smi`):
 - "warm": the greedy on-device generation compiled and run once (n tokens, then 1); "generate:R": R timed
   generations (ms a token over --new-tokens minus 1; warms first); "hostgen:T": one host-loop generation of T
   tokens (T = 1: the prefill and the first token); "gentime:PART[:MODE[:R]]": a whole generation's executable
-  (generate_on_device or unchecked, below) timed as "generate" times the Engine's (`phase_gentime`).
+  (generate_on_device or unchecked, below) timed as "generate" times the Engine's (`phase_gentime`); "split" the
+  prefill's executable and the rounds', MODE "PREFILL_MODE/ROUNDS_MODE" compiling each with its own options.
 - "devexec:MODE": the Engine's on-device generation executable, "compile" only, "run" once, or "get" (run, copy back).
 - "genpart:PART[:MODE[:RUNS]]": a part of the generation (`jspec.loop`) as its own executable, compiled with a
   MODE's options (`EXECUTABLE_MODES`) and run RUNS times (default: as shipped, once; `generation_part_once`):
@@ -331,6 +332,7 @@ EXECUTABLE_MODES = {  # MODE (prefill, gdn, gemm, genpart, gentime) -> the XLA o
     "host_while": VARIANTS["host_while"],  # no WHILE / CONDITIONAL command buffers: the host drives the loops
     "no_graphs": VARIANTS["shipped"] | NO_GRAPHS,
     "no_blas_graphs": without_command_buffers("CUBLAS", "CUBLASLT"),
+    "no_custom_graphs": without_command_buffers("CUSTOM_CALL"),  # Pallas kernels launched from the host
     # the command buffers' node order: one serial chain of nodes, or concurrent regions (shipped: LHS, the latency
     # hiding scheduler's)
     "cb_serialize": VARIANTS["shipped"] | {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"},
@@ -652,7 +654,8 @@ GENTIME_PARTS = ("generate_on_device", "unchecked", "rounds", "prefill_rounds", 
 def phase_gentime(s: Session, spec: str) -> dict:
     """A generation's executable ("PART[:MODE[:REPEATS]]", PART of `generation_part_once` whose tokens follow the
     request's max_new: generate_on_device, unchecked, rounds, prefill_rounds, steps, prefill_steps; run twice so its
-    graphs are recorded; or "split": prefill_round's executable, then `split_rounds` on its Loop) timed as
+    graphs are recorded; or "split": prefill_round's executable, then `split_rounds` on its Loop, MODE
+    "PREFILL_MODE/ROUNDS_MODE" for one mode each) timed as
     `phase_generate` times the Engine's: ms a token over --new-tokens minus 1, REPEATS times (default 3); destroyed
     after."""
     part, _, rest = spec.partition(":")
@@ -661,9 +664,10 @@ def phase_gentime(s: Session, spec: str) -> dict:
         raise ValueError(f"gentime times one of {', '.join(GENTIME_PARTS)} or split, not {part!r}")
     prompt, length, _, eos = s.engine.request(s.prompt, s.n, ()).loop_args(s.engine.max_len)
     if part == "split":  # prefill_round's executable, then the rounds' own on its Loop: two calls, no host sync
-        first = generation_part_once(s.engine, s.prompt, s.n, f"prefill_round:{mode}:2", s.opts.hlo_dir)
+        prefill_mode, _, rounds_mode = mode.partition("/")  # "PREFILL_MODE/ROUNDS_MODE", or one MODE for both
+        first = generation_part_once(s.engine, s.prompt, s.n, f"prefill_round:{prefill_mode}:2", s.opts.hlo_dir)
         loop = first(s.engine.params, prompt, length, np.int32(s.n), eos)
-        rounds = split_rounds(s.engine, loop, mode, s.opts.hlo_dir)
+        rounds = split_rounds(s.engine, loop, rounds_mode or prefill_mode, s.opts.hlo_dir)
         run = lambda params, *request: rounds(params, first(params, *request))  # noqa: E731
     else:
         run = generation_part_once(s.engine, s.prompt, s.n, f"{part}:{mode}:2", s.opts.hlo_dir)
