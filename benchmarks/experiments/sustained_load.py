@@ -165,6 +165,8 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
     python3 ../sustained_load.py --plot ../../plots/process_state_graphs_h100.png sustained_load_{devexec_runs,\
         gen_first1,chain_first1,whole_graphs,whole_nographs,whole_host_while,rounds_graphs,prefill_round_graphs,\
         prefill_rounds_graphs,nested}_llama_h100.json
+    python3 ../sustained_load.py --plot ../../plots/process_state_data_h100.png sustained_load_{rounds_split,\
+        stepstate,stepstate_mix,gentime_modes}_qwen35_h100.json sustained_load_gentime_modes_llama_h100.json
 """
 
 from __future__ import annotations
@@ -538,8 +540,10 @@ def plot_runs(paths: list[str], png: str) -> None:
                 x += len(steps)
             else:
                 ax.axvspan(x - 0.4, x + 0.4, color="0.88")
-                tokens = phase.get("ms_per_token", [])
-                ax.plot(np.linspace(x - 0.3, x + 0.3, len(tokens)), tokens, "x", color="tab:orange", ms=4)
+                steps = phase.get("ms_per_step") if phase["phase"].startswith("stepstate") else None
+                times = steps or phase.get("ms_per_token", [])  # a chain on a chosen state, or a generation's tokens
+                ax.plot(np.linspace(x - 0.3, x + 0.3, len(times)), times, "+" if steps else "x",
+                        color="tab:purple" if steps else "tab:orange", ms=5)  # fmt: skip
                 label = phase["phase"].replace(":", ":\n") if len(phase["phase"]) > 16 else phase["phase"]
                 ax.text(x, 0.96, label, ha="center", va="top", fontsize=6, linespacing=0.9,
                         transform=ax.get_xaxis_transform())  # fmt: skip
@@ -549,9 +553,9 @@ def plot_runs(paths: list[str], png: str) -> None:
         ax.set_xticks([])
         ax.set_ylabel("ms a step", fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("chain ms a step (blue; launched from the host: green squares), generations' ms a token (orange), "
-                 "other phases (grey); a panel a process", fontsize=10)  # fmt: skip
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))  # the title's line above the panels
+    fig.suptitle("chain ms a step (blue; launched from the host: green squares; on a chosen state: purple +),\n"
+                 "generations' ms a token (orange x), other phases (grey); a panel a process", fontsize=10)  # fmt: skip
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / fig.get_figheight()))  # the title's lines above the panels
     fig.savefig(png, dpi=90)
     print(f"plot: {png}")
 
