@@ -335,6 +335,9 @@ EXECUTABLE_MODES = {  # MODE (prefill, gdn, gemm, genpart, gentime) -> the XLA o
     "no_graphs": VARIANTS["shipped"] | NO_GRAPHS,
     "no_blas_graphs": without_command_buffers("CUBLAS", "CUBLASLT"),
     "no_custom_graphs": without_command_buffers("CUSTOM_CALL"),  # Pallas kernels launched from the host
+    # traced commands (cuBLAS, custom calls) recorded into the parent graph, not as child graphs: an XLA option since
+    # openxla/xla#46394 (jax 0.10.2's XLA has none; an older XLA refuses it by name at the compile)
+    "inline_traced": VARIANTS["shipped"] | {"xla_gpu_command_buffer_inline_traced_commands": True},
     # the command buffers' node order: one serial chain of nodes, or concurrent regions (shipped: LHS, the latency
     # hiding scheduler's)
     "cb_serialize": VARIANTS["shipped"] | {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"},
