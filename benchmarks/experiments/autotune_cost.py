@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: jspec_bench
 
 import numpy as np  # noqa: E402
+from device_loop_profile import without_command_buffers  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec import engine as engine_module  # noqa: E402
@@ -59,13 +60,7 @@ VARIANTS = {  # added to the shipped GPU options (level 0, cuBLAS: jspec.engine.
     "autotune0_triton": {"xla_gpu_enable_triton_gemm": True},  # XLA's default Triton tiling for every product
     # cuBLAS / cuBLASLt calls (the prefill's products, the chunked recurrence's) outside the CUDA graphs: launched
     # from the host, so a loop holding them is no WHILE command buffer either (sustained_load_gentime_modes_*.json)
-    "no_blas_graphs": {
-        "xla_gpu_enable_command_buffer": ",".join(
-            kind
-            for kind in engine_module.GPU_COMPILER_OPTIONS["xla_gpu_enable_command_buffer"].split(",")
-            if kind not in ("CUBLAS", "CUBLASLT")
-        )
-    },
+    "no_blas_graphs": without_command_buffers("CUBLAS", "CUBLASLT"),
 }
 
 

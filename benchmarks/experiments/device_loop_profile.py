@@ -167,11 +167,13 @@ def bare_step(params: dict, cfg, state):
     return commit(state, jnp.zeros((), jnp.int32), jnp.argmax(logits).astype(jnp.int32))
 
 
-def chain_walls(params: dict, cfg, context: int, chains: list[str], iterations: int) -> dict:
+def chain_walls(params: dict, cfg, context: int, chains: list[str], iterations: int, state=None) -> dict:
     """{label: wall(trips) -> seconds} of decode chains (module docstring): "U" runs U steps a while-loop iteration,
     "U-nested" the same while loop inside a `lax.cond` (as `generate_on_device` nests its loop in the request
     check), "U-internal" with its state made inside the executable (zeros at `context`, as `generate_on_device` makes
-    its own) rather than passed in, "U-nographs" compiled without command buffers (the host launches every kernel)."""
+    its own) rather than passed in, "U-nographs" compiled without command buffers (the host launches every kernel).
+    Each call runs on a copy of `state` (default: a random state at `context` with room for the iterations; a given
+    one must have that room itself)."""
     walls = {}
     for label in chains:
         unroll, nested, internal = int(label.split("-")[0]), label.endswith("-nested"), label.endswith("-internal")
@@ -179,7 +181,7 @@ def chain_walls(params: dict, cfg, context: int, chains: list[str], iterations: 
         if options and label.endswith("-nographs"):
             options |= NO_GRAPHS
         max_len = context + iterations * unroll + 2 * ROW_TILE
-        base = random_state(cfg, max_len, context, jnp.bfloat16, 1)
+        base = random_state(cfg, max_len, context, jnp.bfloat16, 1) if state is None else state
 
         def chain(params, state, trips, unroll=unroll, nested=nested, internal=internal, max_len=max_len):
             if internal:

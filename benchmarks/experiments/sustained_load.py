@@ -710,58 +710,44 @@ def step_state(s: Session, which: str):
     of state), "random+prefill" (random, made after a run of prefill_round's executable, compiled again), "zeros"
     (`init_state`'s zeros at that position), "start" (`start_loop`'s: the prompt written, position 0),
     "prefilled-GROUP" (prefilled with the leaves of one of STATE_GROUPS taken from random)."""
-    engine, cfg = s.engine, s.cfg
+    group = which.removeprefix("prefilled-") if which.startswith("prefilled-") else None
+    if which not in ("prefilled", "random", "random+prefill", "zeros", "start") and group not in STATE_GROUPS:
+        raise ValueError(
+            f"stepstate takes prefilled[-GROUP] (GROUP: {', '.join(STATE_GROUPS)}), random, random+prefill, zeros "
+            f"or start, not {which!r}"
+        )
+    engine, cfg, position = s.engine, s.cfg, len(s.prompt)
     request = engine.request(s.prompt, s.n, ()).loop_args(engine.max_len)
-    position = len(s.prompt)
-    random = random_state(cfg, engine.max_len, position, jnp.bfloat16, 1)
-    if which == "random":
-        return random
     if which == "zeros":
         return dataclasses.replace(init_state(cfg, engine.max_len, jnp.bfloat16), position=jnp.asarray(position))
     if which == "start":
         return generation_part_once(engine, s.prompt, s.n, "start")(engine.params, *request).state
     if which == "random+prefill" or (which.startswith("prefilled") and s.prefilled is None):
         s.prefilled = generation_part_once(engine, s.prompt, s.n, "prefill_round")(engine.params, *request).state
-    if which == "random+prefill":
+    if which == "prefilled":
+        return s.prefilled
+    random = random_state(cfg, engine.max_len, position, jnp.bfloat16, 1)
+    if group is None:  # random, random+prefill
         return random
-    group = which.removeprefix("prefilled").removeprefix("-") or None
-    if which.startswith("prefilled") and group in (None, *STATE_GROUPS):
-        pick = lambda path, real, rand: rand if state_group(path) == group else real  # noqa: E731
-        return jax.tree_util.tree_map_with_path(pick, s.prefilled, random)
-    raise ValueError(
-        f"stepstate takes prefilled[-GROUP] (GROUP: {', '.join(STATE_GROUPS)}), random, random+prefill, zeros or "
-        f"start, not {which!r}"
-    )
+    pick = lambda path, real, rand: rand if state_group(path) == group else real  # noqa: E731
+    return jax.tree_util.tree_map_with_path(pick, s.prefilled, random)
 
 
 def phase_stepstate(s: Session, spec: str) -> dict:
-    """The bare chain (`bare_step` in a while loop) on the state STATE names (`step_state`; spec "STATE[:prof]"): its
-    ms a step, (wall(T) - wall(1)) / (T - 1) with T as many steps as the state's cache has room for (one row tile
-    kept free, as the Engine keeps it; at most --iterations), 5 times; with ":prof", then the decode step's kernels
-    on it (`step_profiler`, 3 calls)."""
+    """The bare chain (`chain_walls`' "1") on the state STATE names (`step_state`; spec "STATE[:prof]"): its ms a
+    step, (wall(T) - wall(1)) / (T - 1) with T as many steps as the state's cache has room for (one row tile kept
+    free, as the Engine keeps it; at most --iterations), 5 times; with ":prof", then the decode step's kernels on it
+    (`step_profiler`, 3 calls)."""
     which, _, prof = spec.partition(":")
     state = step_state(s, which)
-    trips = min(s.opts.iterations, s.engine.max_len - int(state.position) - ROW_TILE)  # the Engine's own margin
+    position = int(state.position)
+    trips = min(s.opts.iterations, s.engine.max_len - position - ROW_TILE)  # the Engine's own margin
     if trips < 2:
-        raise ValueError(f"stepstate:{which}: the cache has room for {trips} steps from {int(state.position)}")
-
-    def chain(params, state, trips):
-        body = lambda c: (bare_step(params, s.cfg, c[0]), c[1] + 1)  # noqa: E731
-        return jax.lax.while_loop(lambda c: c[1] < trips, body, (state, jnp.zeros((), jnp.int32)))[0]
-
-    run = jax.jit(chain, donate_argnums=1).lower(s.engine.params, state, 1).compile(compiler_options())
-
-    def wall(t: int) -> float:
-        fresh = copy_tree(state)
-        jax.block_until_ready(fresh)
-        t0 = time.perf_counter()
-        run(s.engine.params, fresh, t).position.block_until_ready()
-        return time.perf_counter() - t0
-
-    wall(trips), wall(1)
+        raise ValueError(f"stepstate:{which}: the cache has room for {trips} steps from {position}")
+    wall, _, _ = chain_walls(s.engine.params, s.cfg, position, ["1"], trips, state=state)["1"]
     ms = [1e3 * (wall(trips) - wall(1)) / (trips - 1) for _ in range(5)]
     profiler = prof and step_profiler(s.engine.params, s.cfg, s.opts.context, state=state)
-    return {"position": int(state.position), "trips": trips, "ms_per_step": ms, "step": profiler and profiler()}
+    return {"position": position, "trips": trips, "ms_per_step": ms, "step": profiler and profiler()}
 
 
 def phase_context(what: str) -> Callable[[Session, str], dict]:
