@@ -26,11 +26,16 @@ against 0.144 s and 0.250 against 0.242 s, decode 317 / 316 and 294 / 294 tok/s,
 
 Other options the same way: "no_blas_graphs" (cuBLAS calls outside the CUDA graphs; the Llama-3-8B generation's token
 -5% in `sustained_load.py`'s gentime_modes run), with --on-device to time the Engine's on-device loop, where it
-matters (the host loop's decode steps hold no cuBLAS call).
+matters (the host loop's decode steps hold no cuBLAS call); --block N runs N calls of a variant back to back at each
+turn (a user's loop calling one engine again and again) and reports the calls after each block's first apart.
+experiments/results/autotune_cost_no_blas_graphs_h100.json (caba81a), ..._blocked_h100.json (d8ab82b, --block 4)
+and ..._ttft_h100.json (caba81a, a 4096-token prompt, Llama-3-8B only): decode 0.993x / 0.994x (Llama-3-8B, 344 tok/s
+shipped) and 1.001x / 1.002x (Qwen3.5, 320 tok/s), the time to first token 1.01-1.04x and 1.08-1.09x, the same
+tokens: nothing end to end, so not shipped.
 
     python3 benchmarks/experiments/autotune_cost.py --variants autotuned --commit SHA --out $OUT/autotune_cost_h200.json
     python3 benchmarks/experiments/autotune_cost.py --models llama-3-8b,qwen3.5 --variants no_blas_graphs --on-device \
-        --prompt 320 --new 129 --repeats 5 --commit SHA --out $OUT/no_blas_graphs_h200.json
+        --prompt 320 --new 129 --repeats 4 --block 4 --commit SHA --out $OUT/no_blas_graphs_h200.json
     python3 benchmarks/experiments/autotune_cost.py --quick --out /tmp/autotune_cost_cpu.json   # CPU smoke
 """
 

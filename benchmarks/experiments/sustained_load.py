@@ -142,7 +142,9 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   shipped, no_blas_graphs, host_while, no_graphs, gentime:rounds,chain:1): Llama-3-8B shape, the generation's token
   2.839-2.849 ms shipped, 2.697-2.699 with cuBLAS calls outside the graphs (the chain 2.68-2.70, the rounds without
   prefill 2.65-2.67), 2.72-2.73 with host-driven loops, 2.95-3.08 without graphs; Qwen3.5 text shape 3.06-3.08,
-  3.06-3.09, 3.09-3.12, 3.31-3.40 (the rounds 2.84-2.87, the chain 2.83-2.89).
+  3.06-3.09, 3.09-3.12, 3.31-3.40 (the rounds 2.84-2.87, the chain 2.83-2.89). The Engine compiled without the
+  cuBLAS graphs decodes no faster (autotune_cost.py's no_blas_graphs: 0.994x, 1.002x): like the split before it,
+  what this script's executables show did not carry to the Engine's.
 - residual_norm_ab_{rows,unfused,blocks}_qwen35_h200.json (b1bfe2b, 180296b, 65aa4be; chain:2,stepprof,generate:2,
   each a fresh process, the first two in one machine start, the old tree from `git archive`): a kernel of our own
   for the residual add and the RMSNorm after it (docs/performance.md; since reverted) against XLA's two fusions:
