@@ -68,6 +68,12 @@ VARIANTS = {  # added to the shipped GPU options (level 0, cuBLAS: jspec.engine.
     "no_blas_graphs": without_command_buffers("CUBLAS", "CUBLASLT"),
 }
 
+ENGINE_VARIANTS = {  # the shipped options with other Engine arguments (default: one prefill chunk for a short engine)
+    "chunk64": dict(prefill_chunk=64),
+    "chunk128": dict(prefill_chunk=128),
+    "chunk256": dict(prefill_chunk=256),
+}
+
 
 @contextlib.contextmanager
 def gpu_options(extra: dict):
@@ -86,13 +92,17 @@ def measure(name: str, args) -> dict:
     params = random_int4_params(cfg, 0, True)
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, args.prompt).astype(np.int32)
     engines, out = {}, {"variants": {}}
-    variants = {v: VARIANTS[v] for v in ["shipped", *args.variants.split(",")]}
-    for variant, extra in variants.items():
-        engines[variant] = jspec.Engine(params, cfg, max_len=args.prompt + args.new + 16)
-        with gpu_options(extra):
+    variants = ["shipped", *args.variants.split(",")]
+    for variant in variants:
+        kwargs = ENGINE_VARIANTS.get(variant, {})
+        engines[variant] = jspec.Engine(params, cfg, max_len=args.prompt + args.new + 16, **kwargs)
+        with gpu_options(VARIANTS.get(variant, {})):
             t0 = time.perf_counter()
             engines[variant].generate(prompt, args.new, eos_id=(), on_device=args.on_device)  # compiles every part
-            out["variants"][variant] = {"compile_and_first_call_s": time.perf_counter() - t0, "trials": []}
+            compiled_s = time.perf_counter() - t0
+        out["variants"][variant] = dict(
+            compile_and_first_call_s=compiled_s, prefill_chunk=engines[variant].prefill_chunk, trials=[]
+        )
         print(name, variant, f"compile + first call {out['variants'][variant]['compile_and_first_call_s']:.1f} s")
     for r in range(args.repeats):
         for variant in list(variants)[:: 1 if r % 2 == 0 else -1]:
@@ -140,13 +150,18 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
     ap.add_argument("--new", type=int, default=65, help="new tokens of the decode timing")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--variants", default="autotuned,autotune0_triton", help=f"comma list of {list(VARIANTS)[1:]}")
+    ap.add_argument(
+        "--variants", default="autotuned,autotune0_triton", help=f"comma list of {[*VARIANTS, *ENGINE_VARIANTS][1:]}"
+    )
     ap.add_argument("--on-device", action="store_true", help="time the on-device loop (default: the host loop)")
     ap.add_argument(
         "--block", type=int, default=1, help="trials a variant runs back to back at each turn (1: interleaved)"
     )
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: the tiny shrunk shapes")
     args = ap.parse_args()
+    unknown = set(args.variants.split(",")) - set(VARIANTS) - set(ENGINE_VARIANTS)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}: pick from {[*VARIANTS, *ENGINE_VARIANTS][1:]}")
     if args.quick:
         args.prompt, args.new, args.repeats = 40, 5, 2
     t0 = time.perf_counter()
