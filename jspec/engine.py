@@ -113,7 +113,8 @@ class Engine:
     prefill_chunk: the largest prefill chunk (positions; None: `default_prefill_chunk(max_len)`). A prompt of T
       tokens runs T // prefill_chunk chunks of it, then its rest in the smallest of `jspec.steps.chunk_sizes` that
       holds it (prefill_chunk and its halves, 5 shapes at most): one executable per shape, the tail the only padding.
-      Prefill memory is the chunk's activations plus the cache, whatever T.
+      Prefill memory is the chunk's activations plus the cache, whatever T. Another prefill_chunk runs other
+      shapes, so its prefill bits and the tokens after them may differ (docs/design.md rule 10).
     batch_size: the sequence slots of `generate_batch` (each its own cache of max_len positions, allocated once
       per batch); `generate` runs one sequence whatever it is.
     mesh: None, or a one-axis device mesh (`jax.make_mesh((n,), ("tp",))`): tensor parallelism over its n devices
