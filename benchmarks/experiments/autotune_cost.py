@@ -66,6 +66,8 @@ VARIANTS = {  # added to the shipped GPU options (level 0, cuBLAS: jspec.engine.
     # cuBLAS / cuBLASLt calls (the prefill's products, the chunked recurrence's) outside the CUDA graphs: launched
     # from the host, so a loop holding them is no WHILE command buffer either (sustained_load_gentime_modes_*.json)
     "no_blas_graphs": without_command_buffers("CUBLAS", "CUBLASLT"),
+    # no WHILE / CONDITIONAL command buffers: the host drives the executable's loops, each body still a CUDA graph
+    "host_while": without_command_buffers("WHILE", "CONDITIONAL"),
 }
 
 ENGINE_VARIANTS = {  # the shipped options with other Engine arguments (default: one prefill chunk for a short engine)
