@@ -31,7 +31,10 @@ turn (a user's loop calling one engine again and again) and reports the calls af
 experiments/results/autotune_cost_no_blas_graphs_h100.json (caba81a), ..._blocked_h100.json (d8ab82b, --block 4)
 and ..._ttft_h100.json (caba81a, a 4096-token prompt, Llama-3-8B only): decode 0.993x / 0.994x (Llama-3-8B, 344 tok/s
 shipped) and 1.001x / 1.002x (Qwen3.5, 320 tok/s), the time to first token 1.01-1.04x and 1.08-1.09x, the same
-tokens: nothing end to end, so not shipped.
+tokens: nothing end to end, so not shipped. The same for "host_while" (no WHILE / CONDITIONAL command buffers;
+..._host_while_h100.json, 9399049: 0.986x, 0.992x) and for the prefill chunk (ENGINE_VARIANTS, chunks of 128 / 256
+against the short engine's one chunk of 480; ..._prefill_chunk_h100.json, b64fe5d: decode 1.001-1.007x, time to first
+token 1.2-1.9x longer, other greedy tokens).
 
     python3 benchmarks/experiments/autotune_cost.py --variants autotuned --commit SHA --out $OUT/autotune_cost_h200.json
     python3 benchmarks/experiments/autotune_cost.py --models llama-3-8b,qwen3.5 --variants no_blas_graphs --on-device \
