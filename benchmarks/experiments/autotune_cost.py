@@ -74,7 +74,6 @@ VARIANTS = {  # added to the shipped GPU options (level 0, cuBLAS: jspec.engine.
 }
 
 ENGINE_VARIANTS = {  # the shipped options with other Engine arguments (default: one prefill chunk for a short engine)
-    "chunk64": dict(prefill_chunk=64),
     "chunk128": dict(prefill_chunk=128),
     "chunk256": dict(prefill_chunk=256),
 }
@@ -108,9 +107,9 @@ def measure(name: str, args) -> dict:
         out["variants"][variant] = dict(
             compile_and_first_call_s=compiled_s, prefill_chunk=engines[variant].prefill_chunk, trials=[]
         )
-        print(name, variant, f"compile + first call {out['variants'][variant]['compile_and_first_call_s']:.1f} s")
+        print(name, variant, f"compile + first call {compiled_s:.1f} s")
     for r in range(args.repeats):
-        for variant in list(variants)[:: 1 if r % 2 == 0 else -1]:
+        for variant in variants[:: 1 if r % 2 == 0 else -1]:
             engine = engines[variant]
             for in_block in range(args.block):
                 t0 = time.perf_counter()
@@ -167,6 +166,8 @@ def main() -> None:
     unknown = set(args.variants.split(",")) - set(VARIANTS) - set(ENGINE_VARIANTS)
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}: pick from {[*VARIANTS, *ENGINE_VARIANTS][1:]}")
+    if args.block < 1:
+        ap.error(f"--block takes a positive count of calls, not {args.block}")
     if args.quick:
         args.prompt, args.new, args.repeats = 40, 5, 2
     t0 = time.perf_counter()
