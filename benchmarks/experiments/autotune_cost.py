@@ -78,6 +78,8 @@ ENGINE_VARIANTS = {  # the shipped options with other Engine arguments (default:
     "chunk256": dict(prefill_chunk=256),
 }
 
+CHOICES = [*VARIANTS, *ENGINE_VARIANTS][1:]  # what --variants takes ("shipped" always runs)
+
 
 @contextlib.contextmanager
 def gpu_options(extra: dict):
@@ -96,7 +98,7 @@ def measure(name: str, args) -> dict:
     params = random_int4_params(cfg, 0, True)
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, args.prompt).astype(np.int32)
     engines, out = {}, {"variants": {}}
-    variants = ["shipped", *args.variants.split(",")]
+    variants = ["shipped", *args.variants]
     for variant in variants:
         kwargs = ENGINE_VARIANTS.get(variant, {})
         engines[variant] = jspec.Engine(params, cfg, max_len=args.prompt + args.new + 16, **kwargs)
@@ -154,18 +156,16 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
     ap.add_argument("--new", type=int, default=65, help="new tokens of the decode timing")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument(
-        "--variants", default="autotuned,autotune0_triton", help=f"comma list of {[*VARIANTS, *ENGINE_VARIANTS][1:]}"
-    )
+    ap.add_argument("--variants", default="autotuned,autotune0_triton", help=f"comma list of {CHOICES}")
     ap.add_argument("--on-device", action="store_true", help="time the on-device loop (default: the host loop)")
     ap.add_argument(
         "--block", type=int, default=1, help="trials a variant runs back to back at each turn (1: interleaved)"
     )
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: the tiny shrunk shapes")
     args = ap.parse_args()
-    unknown = set(args.variants.split(",")) - set(VARIANTS) - set(ENGINE_VARIANTS)
-    if unknown:
-        ap.error(f"unknown variants {sorted(unknown)}: pick from {[*VARIANTS, *ENGINE_VARIANTS][1:]}")
+    args.variants = args.variants.split(",")
+    if unknown := set(args.variants) - set(CHOICES):
+        ap.error(f"unknown variants {sorted(unknown)}: pick from {CHOICES}")
     if args.block < 1:
         ap.error(f"--block takes a positive count of calls, not {args.block}")
     if args.quick:

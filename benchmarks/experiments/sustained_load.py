@@ -747,7 +747,7 @@ def phase_stepstate(s: Session, spec: str) -> dict:
     if trips < 2:
         raise ValueError(f"stepstate:{which}: the cache has room for {trips} steps from {position}")
     wall, _, _ = chain_walls(s.engine.params, s.cfg, position, ["1"], trips, state=state)["1"]
-    ms = [1e3 * (wall(trips) - wall(1)) / (trips - 1) for _ in range(5)]
+    ms = ms_per_token(wall, trips, 5)  # a step's ms: one token a step
     profiler = prof and step_profiler(s.engine.params, s.cfg, s.opts.context, state=state)
     return {"position": position, "trips": trips, "ms_per_step": ms, "step": profiler and profiler()}
 
