@@ -7,8 +7,8 @@
 (one scale group) the codes are stored in the order `STORED_K`: a thread's 8 consecutive stored codes, which Mosaic's
 int4 upcast layout hands it as one 32-bit word, are then exactly the 8 k the wgmma register layout gives that thread
 (pairs 2t, 2t+1 of each 8 columns), each pair in two nibbles 16 bits apart. So the kernel converts a word straight
-into the wgmma operand's registers, a shift, a lop3 and a bf16x2 subtract per pair (`_to_wgmma_bf16`; no prmt, no
-data movement). `to_int4_weight` undoes the preparation exactly.
+into the wgmma operand's registers, a shift, a lop3 and one bf16x2 FMA with the scale per pair (`_dequantize`; no
+prmt, no data movement). `to_int4_weight` undoes the preparation exactly.
 
 The kernel (docs/design.md rule 1, the row tile: rows padded to ROW_TILE = 16, tiles from the shape only,
 partials combined outside in a fixed order, then `backend.first_rows`): a stream-K partition (`Partition`) gives each
@@ -16,9 +16,9 @@ CTA (one per SM) an even share of the (row tile, k step) units. Per CTA one TMA 
 [2 * wg_rows, TILE_K] code tiles, their [2 * wg_rows, TILE_K / 32] scales (each one contiguous block: `Int4Codes`
 stores codes and scales step-major) and the [16, TILE_K] x tile through a
 `stages`-deep ring; two consumer warpgroups each load wg_rows rows of codes in the upcast layout (32-bit shared
-memory loads), convert them (exact), multiply by the group scales (one bf16 rounding: exactly the
-`pallas_kernels.int4` formula bf16(f32(q - 8) * f32(s))) and issue wgmma with the 16 tokens on N, a k chunk at a
-time (`Config.chunks`: the next chunk converts while the previous chunk's wgmma runs), accumulating
+memory loads), dequantize them with the group scales (one bf16 rounding: the `pallas_kernels.int4` formula
+bf16(f32(q - 8) * f32(s)), times 2^-WEIGHT_SHIFT, undone on the accumulator) and issue wgmma with the 16 tokens on
+N, a k chunk at a time (`Config.chunks`: the next chunk converts while the previous chunk's wgmma runs), accumulating
 float32 [wg_rows, 16]; at the end of each tile's run of steps (a segment) the accumulator goes to that segment's
 partial. Every step is the same straight-line code (no branch around the wgmma or the accumulator's zeroing), or
 ptxas serializes the wgmma instructions. `tiles_matmul` (batches of sequences) runs up to `launch_tiles` row
@@ -147,6 +147,16 @@ TILE_K = 256  # k per pipeline step (128 code bytes per row, one 128B swizzle); 
 
 
 TILE_N = Config().tile_rows  # weight rows of the default (narrow) tile, 128; Int4Codes pad N to a multiple of it
+
+
+# The kernel's weights are the format's bf16(code s) times 2^-WEIGHT_SHIFT: `_dequantize` makes them with one bf16x2
+# FMA a pair, t (s 2^(133 - WEIGHT_SHIFT)) + (-8 s 2^-WEIGHT_SHIFT) on the subnormal t = (code + 8) 2^-133, and the
+# accumulator is scaled back by 2^WEIGHT_SHIFT before it is stored. The bits are the format's for every scale s with
+# SCALE_RANGE[0] <= |s| < SCALE_RANGE[1] (or s = 0): there s 2^(133 - WEIGHT_SHIFT) is finite and every nonzero weight
+# a normal bf16. `prepare.prepare_ws` refuses a weight with other scales.
+WEIGHT_SHIFT = 16
+SCALE_RANGE = (2.0 ** (WEIGHT_SHIFT - 126), 2.0 ** (WEIGHT_SHIFT - 5))
+_UP, _OFFSET = 2.0 ** (133 - WEIGHT_SHIFT), -(2.0 ** (3 - WEIGHT_SHIFT))  # the FMA's operands: s _UP and s _OFFSET
 
 
 def padded_k(k: int) -> int:
@@ -329,12 +339,13 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             return _div(u, steps), jax.lax.rem(u, steps)
 
         def scaled_chunk(q, s_smem, ch):
-            """Chunk ch of the step's codes q -> bf16 [wg_rows, chunk_k] weights (codes x scales), wgmma layout."""
-            w = _to_wgmma_bf16(q[:, ch * chunk_k : (ch + 1) * chunk_k])
+            """Chunk ch of the step's codes q -> bf16 [wg_rows, chunk_k] weights bf16(code s) 2^-WEIGHT_SHIFT (wgmma
+            layout): per scale group, each row's two FMA operands from its scale, then `_dequantize`."""
             parts = []
-            for g in range(chunk_k // BLOCK):
-                sg = plgpu.load(s_smem.at[rows, ch * chunk_k // BLOCK + g], layout=row_layout)
-                parts.append(w[:, g * BLOCK : (g + 1) * BLOCK] * jax.lax.broadcast_in_dim(sg, (wg_rows, BLOCK), [0]))
+            for g in range(ch * chunk_k // BLOCK, (ch + 1) * chunk_k // BLOCK):
+                s = plgpu.load(s_smem.at[rows, g], layout=row_layout)
+                scale, offset = (jax.lax.broadcast_in_dim(v, (wg_rows, BLOCK), [0]) for v in (s * _UP, s * _OFFSET))
+                parts.append(_dequantize(q[:, g * BLOCK : (g + 1) * BLOCK], scale, offset))
             return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
 
         def body(idx, c_smem, s_smem, x_smem, accs):
@@ -364,7 +375,7 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
                 ]
                 for r, value in enumerate(tile_accs):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read o_smem
-                    _store_transposed(value, o_smem.at[wg])
+                    _store_transposed(value * 2.0**WEIGHT_SHIFT, o_smem.at[wg])  # the weights' scaling undone
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[seg, pl.ds(r * ROW_TILE, ROW_TILE), cols])
 
@@ -411,46 +422,51 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
     )(xp, codes.reshape(-1, tile_k), scales.reshape(-1, groups))  # [steps * N, -1]: row block ks * tiles + t
 
 
-def _to_wgmma_bf16(q):
-    """int4 codes [wg_rows, chunk_k] in the upcast layout -> the exact bf16 values in the wgmma layout.
+def _dequantize(codes, scale, offset):
+    """One scale group: int4 codes [rows, 32] in the upcast layout, and each row's s 2^(133 - WEIGHT_SHIFT)
+    (`scale`) and -8 s 2^-WEIGHT_SHIFT (`offset`) broadcast to bf16 [rows, 32] in the wgmma layout -> the weights
+    bf16(code s) 2^-WEIGHT_SHIFT, exactly, in the wgmma layout.
 
     The upcast layout gives a thread, per 32 columns, one 32-bit word of 8 codes (nibble i = stored position 8 t + i);
     the wgmma layout wants, per 8 columns, a vector of 2. With the codes stored in `STORED_K` order the pair of
-    column block a is nibbles a and a + 4: `word >> 4 a`, masked to bits 0-3 and 16-19 and xor-ed with 0x4308 in
-    each half (lop3), is the bf16 pair 128 + (code + 8); subtracting 136 leaves the code exactly (2.75 instructions
-    per pair against Mosaic's upcast plus relabelling, 3.25: no prmt)."""
+    column block a is nibbles a and a + 4: `word >> 4 a`, masked to bits 0-3 and 16-19 and xor-ed with 8 in each
+    half (one lop3), is a bf16 pair of zero exponent, the subnormals t = u 2^-133 with u = code + 8. One bf16x2 FMA,
+    t scale + offset = (u - 8) s 2^-WEIGHT_SHIFT = code s 2^-WEIGHT_SHIFT before its single rounding, gives the format's
+    bf16(code s) scaled by a power of two (`SCALE_RANGE`): 2.75 instructions a pair, where a bias subtract and a
+    scale multiply took 3.75."""
     import jax.experimental.mosaic.gpu as mgpu
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, llvm
 
     @plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
-        return_type=plgpu.ShapeDtypeStruct(q.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
+        return_type=plgpu.ShapeDtypeStruct(codes.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA),
     )
-    def convert(_, codes):
+    def convert(_, codes, scale, offset):
         i32 = ir.IntegerType.get_signless(32)
         pair = ir.VectorType.get((2,), ir.BF16Type.get())
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape(codes.shape), dtype=object)
         for (r, c, *rest), vec in np.ndenumerate(codes.registers):
             word = mgpu.utils.bitcast(vec, i32)
             for a in range(4):
+                at = (r, 4 * c + a, *rest)
                 src = word if a == 0 else arith.shrui(word, mgpu.utils.c(4 * a, i32))
+                operands = [mgpu.utils.bitcast(v.registers[at], i32) for v in (scale, offset)]
                 bf = llvm.inline_asm(
                     i32,
-                    [src],
+                    [src, *operands],
                     """{
-                    .reg .b32 t, bias;
-                    lop3.b32 t, $1, 0x000F000F, 0x43084308, 0x6a;
-                    mov.b32 bias, 0x43084308;
-                    sub.bf16x2 $0, t, bias;
+                    .reg .b32 t;
+                    lop3.b32 t, $1, 0x000F000F, 0x00080008, 0x6a;
+                    fma.rn.bf16x2 $0, t, $2, $3;
                     }""",
-                    "=r,r",
+                    "=r,r,r,r",
                 )
-                regs[(r, 4 * c + a, *rest)] = mgpu.utils.bitcast(bf, pair)
+                regs[at] = mgpu.utils.bitcast(bf, pair)
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
-    return convert(q)
+    return convert(codes, scale, offset)
 
 
 def _store_transposed(acc, ref):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.int4 import Int4Weight, dequantize_halves
-from pallas_kernels.int4_ws import padded_k, padded_n, prepare_codes
+from pallas_kernels.int4_ws import SCALE_RANGE, padded_k, padded_n, prepare_codes
 from pallas_kernels.matmul import Int4Halves
 
 
@@ -53,7 +53,30 @@ def prepare_ws(params):
     that kernel beat the Triton row-tile kernel on every Qwen2.5-7B / 14B linear shape: 1.28-1.58x on gate_up,
     down, lm_head (benchmarks/results/int4_matmul_h200.json) and 1.15-1.49x on qkv and o (same-process runs;
     docs/kernels.md)."""
+    _check_scale_range(params)
     return _map_int4(lambda w: _codes(w) if _takes_ws(w) else w, params)
+
+
+@jax.jit
+def _scale_extremes(scales: jax.Array) -> jax.Array:
+    """float32 [2]: the largest |scale| (NaN if any is NaN) and the smallest nonzero one (inf if none)."""
+    s = jnp.abs(scales.astype(jnp.float32))
+    return jnp.stack([jnp.max(s), jnp.min(jnp.where(s > 0, s, jnp.inf))])
+
+
+def _check_scale_range(params) -> None:
+    """Raise ValueError naming the first weight `prepare_ws` would take whose nonzero scales leave
+    `int4_ws.SCALE_RANGE`, where the Mosaic GPU kernel's weights would not be the format's bits."""
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_int4)[0]
+    taken = [(path, w) for path, w in flat if _is_int4(w) and _takes_ws(w)]
+    extremes = jax.device_get([_scale_extremes(w.scales) for _, w in taken])  # one transfer for every weight
+    low, high = SCALE_RANGE
+    for (path, _), (largest, smallest) in zip(taken, extremes, strict=True):
+        if not (largest < high and smallest >= low):
+            raise ValueError(
+                f"int4 weight {jax.tree_util.keystr(path)}: scales {smallest:g} .. {largest:g} leave the Mosaic GPU "
+                f"kernel's exact range [{low:g}, {high:g}); pass prepare=False to keep it on the Triton kernel"
+            )
 
 
 def _takes_ws(w: Int4Weight) -> bool:

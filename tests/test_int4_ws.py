@@ -13,7 +13,7 @@ import pytest
 import jspec
 from jspec.exactness import bits
 from pallas_kernels import backend, int4_ws, prepare
-from pallas_kernels.int4 import Int4Weight, dequantize, quantize, unpack_codes
+from pallas_kernels.int4 import Int4Weight, dequantize, pack, quantize, unpack_codes
 from pallas_kernels.int4_ws import Int4Codes, prepare_codes, to_int4_weight
 from pallas_kernels.matmul import Int4Halves, linear
 from pallas_kernels.prepare import prepare_ws, ws_prep_nbytes
@@ -121,6 +121,19 @@ def test_prepare_ws_takes_every_symmetric_weight():
     assert all(isinstance(out[k], Int4Codes) for k in ("gate_up", "down", "odd_k", "odd_n"))
     assert isinstance(out["asym"], Int4Weight)
     assert out["norm"] is params["norm"]
+
+
+@pytest.mark.parametrize("scale", [2.0 ** (int4_ws.WEIGHT_SHIFT - 5), 2.0 ** (int4_ws.WEIGHT_SHIFT - 127), np.nan])
+def test_prepare_ws_refuses_scales_outside_the_kernels_exact_range_naming_the_weight(scale):
+    # the kernel's weights are bf16(code s) 2^-WEIGHT_SHIFT: a larger scale overflows its FMA operand, a smaller one
+    # gives subnormal weights (other bits); zero scales (an all-zero block) are fine
+    low, high = int4_ws.SCALE_RANGE
+    ok = _weight(256, 128, seed=18)
+    edges = dataclasses.replace(ok, scales=ok.scales.at[0, 0].set(low).at[0, 1].set(high / 2).at[1, 1].set(0))
+    assert isinstance(prepare_ws({"w": edges})["w"], Int4Codes)
+    bad = dataclasses.replace(ok, scales=ok.scales.at[5, 3].set(scale))
+    with pytest.raises(ValueError, match=r"int4 weight \['layers'\]\[1\]\['down'\]: scales .* leave the Mosaic GPU"):
+        prepare_ws({"layers": [{"down": ok}, {"down": bad}]})
 
 
 def test_gpu_preparation_needing_more_than_the_free_device_memory_is_declined(monkeypatch):
@@ -238,6 +251,25 @@ def test_gpu_row_exact_and_close_to_the_reference(config, k):
         assert np.array_equal(bits(y), bits(ys[-1][:m])), f"row mismatch between M={m} and M=16"
     dense = np.asarray(x, np.float32) @ np.asarray(dequantize(w, jnp.bfloat16), np.float32)
     np.testing.assert_allclose(ys[-1], dense, rtol=0, atol=1e-4 * np.max(np.abs(dense)))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
+def test_gpu_kernel_weights_are_the_formats_bits_across_the_scale_range():
+    # one-hot rows pick single weights, y[i, n] = W[k_i, n]: every k (each nibble of the stored words), all 16 codes
+    # and scales from the bottom to the top of SCALE_RANGE give the format's bf16(code s) exactly (`_dequantize`:
+    # one FMA on subnormal pairs, the accumulator scaled back)
+    k, n = 512, 256
+    rng = np.random.default_rng(22)
+    low, high = np.log2(int4_ws.SCALE_RANGE)
+    scales = np.exp2(rng.uniform(low, high - 1, (n, k // 32))) * rng.choice([1.0, -1.0], (n, k // 32))
+    scales[: n // 2, 1] = 0.0  # all-zero blocks
+    w = pack(rng.integers(0, 16, (n, k)), jnp.asarray(scales, jnp.bfloat16))
+    c, f = prepare_codes(w), jax.jit(lambda x, c: int4_ws.rows_matmul(x, c))
+    dense = np.asarray(dequantize(w, jnp.bfloat16), np.float32)
+    for start in range(0, k, 16):
+        x = jnp.zeros((16, k), jnp.bfloat16).at[np.arange(16), start + np.arange(16)].set(1.0)
+        y = np.asarray(f(x, c))
+        assert np.array_equal(bits(y), bits(dense[start : start + 16])), f"a weight of k {start}..{start + 15}"
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")

@@ -14,8 +14,8 @@ variant is a dict of `int4_ws.Config` overrides for the working tree's kernel. P
 microseconds of every round and the median's ratio to the base's; whether the outputs at the default partition
 and at 31 and 7 CTAs are bitwise the base's (expected when a change keeps the arithmetic and the partition); and
 whether row 0 of an M = 1 call equals row 0 of M = 16 (row-exactness at a glance; tests/test_int4_ws.py checks
-every M). Shapes: issue 4's (`int4_matmul_bench.SHAPES`), Llama-3-8B's gate_up and down, and `synthetic`
-[K = 256 x 32, N = 128 x 132]: one row tile and 32 pipeline steps per CTA at 132 CTAs.
+every M). Shapes: issue 4's (`int4_matmul_bench.SHAPES`), Llama-3-8B's gate_up and down, the Qwen3.5 text shape's
+six products, and `synthetic` [K = 256 x 32, N = 128 x 132]: one row tile and 32 pipeline steps per CTA at 132 CTAs.
 Its one GPU run, an A/A check (the base a copy of the same file): benchmarks/experiments/results/int4_ab_h200.json.
 """
 
@@ -42,6 +42,16 @@ from pallas_kernels import int4_ws  # noqa: E402
 SHAPES = {f"{model}/{name}": kn for model, shapes in bench.SHAPES.items() for name, kn in shapes.items()}
 SHAPES.update(
     {"llama-3-8b/gate_up": (4096, 28672), "llama-3-8b/down": (14336, 4096), "synthetic": (256 * 32, 128 * 132)}
+)
+SHAPES.update(  # the Qwen3.5 text shape's products (a Gated DeltaNet layer's in_proj and out; o is out's shape)
+    {
+        "qwen3.5/in_proj": (4096, 12352),
+        "qwen3.5/out": (4096, 4096),
+        "qwen3.5/qkv": (4096, 10240),
+        "qwen3.5/gate_up": (4096, 24576),
+        "qwen3.5/down": (12288, 4096),
+        "qwen3.5/lm_head": (4096, 248320),
+    }
 )
 CHECK_CTAS = (None, 31, 7)  # None: the default partition (one CTA per SM)
 
