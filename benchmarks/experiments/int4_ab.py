@@ -74,16 +74,16 @@ def output_bits(module, x16, codes, overrides: dict) -> list[np.ndarray]:
     return outs
 
 
-def run_shape(base, variants: list[dict], k: int, n: int, rounds: int, repeats: int) -> dict:
+def run_shape(base, variants: list[dict], k: int, n: int, rounds: int, repeats: int, copies: int | None) -> dict:
     nbytes = bench.int4_bytes(k, n)
     key = jax.random.key(0)
-    weights = bench.random_weights(key, k, n, bench.n_copies(nbytes))
+    weights = bench.random_weights(key, k, n, copies or bench.n_copies(nbytes))
     x16 = jax.random.normal(jax.random.fold_in(key, 7), (16, k), jnp.float32).astype(jnp.bfloat16)
     base_codes = [base.prepare_codes(w) for w in weights]
     new_codes = [int4_ws.prepare_codes(w) for w in weights]  # each side reads the layout its own module prepares
     sides = [("base", base, {}, base_codes)] + [(f"variant{i}", int4_ws, v, new_codes) for i, v in enumerate(variants)]
     ops = {label: functools.partial(m.rows_matmul, config=m.Config(**v)) for label, m, v, _ in sides}
-    result = {"K": k, "N": n, "bytes": nbytes}
+    result = {"K": k, "N": n, "bytes": nbytes, "copies": len(weights)}
     base_bits = None
     for label, module, overrides, codes in sides:  # the base first
         bits = output_bits(module, x16, codes[0], overrides)
@@ -114,6 +114,12 @@ def main():
     ap.add_argument("--shapes", default="all", help=f"comma list of {', '.join(SHAPES)}; or 'all'")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--copies",
+        type=int,
+        help="weight copies the timing cycles through (default: enough to defeat L2); 1 keeps a weight that fits "
+        "in L2 there, so the kernel's consumers, not the memory, set its pace",
+    )
     args = ap.parse_args()
     if jax.default_backend() != "gpu":
         sys.exit("int4_ab.py times the Mosaic GPU kernel: it needs a GPU (there is no interpret mode)")
@@ -131,12 +137,13 @@ def main():
             "base": args.base,
             "variants": variants,
             "rounds": args.rounds,
+            "copies": args.copies,
             "doc": __doc__,
         },
         "results": {},
     }
     for name in names:
-        r = report["results"][name] = run_shape(base, variants, *SHAPES[name], args.rounds, args.repeats)
+        r = report["results"][name] = run_shape(base, variants, *SHAPES[name], args.rounds, args.repeats, args.copies)
         line = "  ".join(
             f"{label} {r[label]['median_us']:7.2f} us ({r[label]['vs_base']:.3f}x, bits {r[label]['bits_equal_base']})"
             for label in r
