@@ -328,7 +328,7 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
     x_tf = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    def int4_ws_streamk(x_gmem, c_gmem, s_gmem, o_gmem, o_smem):
+    def int4_ws_streamk(x_gmem, c_gmem, s_gmem, o_gmem):
         c, wg = jax.lax.axis_index("c"), jax.lax.axis_index("wg")
         rows = pl.ds(wg * wg_rows, wg_rows)
         lo = _div(c * units, ctas)
@@ -373,11 +373,8 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
                 tile_accs = [
                     a[...][:, i * ROW_TILE : (i + 1) * ROW_TILE] for a in accs for i in range(a.shape[1] // ROW_TILE)
                 ]
-                for r, value in enumerate(tile_accs):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read o_smem
-                    _store_transposed(value * 2.0**WEIGHT_SHIFT, o_smem.at[wg])  # the weights' scaling undone
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[seg, pl.ds(r * ROW_TILE, ROW_TILE), cols])
+                for r, value in enumerate(tile_accs):  # the weights' scaling undone, exactly
+                    _store_transposed(value * 2.0**WEIGHT_SHIFT, o_gmem.at[seg, pl.ds(r * ROW_TILE, ROW_TILE), cols])
 
             return accs
 
@@ -388,7 +385,6 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
         def compute_context(eval_pipeline):
             def acc_scope(*accs):
                 eval_pipeline(accs)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             if cfg.wide_wgmma:
                 pl.run_scoped(acc_scope, plgpu.ACC((wg_rows, tiles * ROW_TILE), jnp.float32))
@@ -417,7 +413,6 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
         grid_names=("c",),
         num_threads=3,
         thread_name="wg",
-        scratch_types=dict(o_smem=plgpu.SMEM((2, ROW_TILE, wg_rows), jnp.float32)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(xp, codes.reshape(-1, tile_k), scales.reshape(-1, groups))  # [steps * N, -1]: row block ks * tiles + t
 
@@ -470,13 +465,14 @@ def _dequantize(codes, scale, offset):
 
 
 def _store_transposed(acc, ref):
-    """Store the float32 accumulator [wg_rows, 16] (WGMMA layout) into the shared memory ref [16, wg_rows]: one
-    scalar store per element (the kernel's output is token-major, so no transpose op runs after it)."""
+    """Store the float32 accumulator [wg_rows, 16] (WGMMA layout) into the global memory ref [16, wg_rows] straight
+    from registers: one scalar store per element, eight lanes' rows to one 32-byte sector (the kernel's output is
+    token-major, so no transpose op runs after it; no shared memory, fence or TMA store to wait for)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jaxlib.mlir.dialects import memref
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
-    def store(_, value, smem):
-        value.foreach(lambda v, idx: memref.store(v, smem, [idx[1], idx[0]]))
+    def store(_, value, gmem):
+        value.foreach(lambda v, idx: memref.store(v, gmem, [idx[1], idx[0]]))
 
     store(acc, ref)
