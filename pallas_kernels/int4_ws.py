@@ -383,13 +383,12 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             return (ks * part.tiles + t, 0)
 
         def compute_context(eval_pipeline):
-            def acc_scope(*accs):
-                eval_pipeline(accs)
-
-            if cfg.wide_wgmma:
-                pl.run_scoped(acc_scope, plgpu.ACC((wg_rows, tiles * ROW_TILE), jnp.float32))
-            else:
-                pl.run_scoped(acc_scope, *[plgpu.ACC((wg_rows, ROW_TILE), jnp.float32)] * tiles)
+            accs = (
+                [plgpu.ACC((wg_rows, tiles * ROW_TILE), jnp.float32)]
+                if cfg.wide_wgmma
+                else [plgpu.ACC((wg_rows, ROW_TILE), jnp.float32)] * tiles
+            )
+            pl.run_scoped(lambda *accs: eval_pipeline(accs), *accs)
 
         plgpu.emit_pipeline_warp_specialized(
             body,

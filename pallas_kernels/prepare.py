@@ -52,7 +52,8 @@ def prepare_ws(params):
     e.g. GLM-4-9B's down, K = 13696; N to a multiple of the 128-row tile: e.g. a Gated DeltaNet in_proj). On the H200
     that kernel beat the Triton row-tile kernel on every Qwen2.5-7B / 14B linear shape: 1.28-1.58x on gate_up,
     down, lm_head (benchmarks/results/int4_matmul_h200.json) and 1.15-1.49x on qkv and o (same-process runs;
-    docs/kernels.md)."""
+    docs/kernels.md). Raises ValueError for a weight whose scales leave the kernel's exact range
+    (`int4_ws.SCALE_RANGE`)."""
     _check_scale_range(params)
     return _map_int4(lambda w: _codes(w) if _takes_ws(w) else w, params)
 
