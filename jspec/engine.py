@@ -109,7 +109,9 @@ class Engine:
       (`pallas_kernels.prepare_ws`: a re-ordered copy, K padded to 256, faster than the Triton kernel). None:
       both of those unless the copy would not fit (`pallas_kernels.prepare.resolve_prepare`: over a quarter of
       physical memory for the reference halves, more than the device's free memory for the codes): then a warning
-      says so and the weights stay as they are. `self.prepared` records the choice.
+      says so and the weights stay as they are. `self.prepared` records the choice. The Mosaic GPU kernel's
+      weights are the format's bits for scales in `pallas_kernels.int4_ws.SCALE_RANGE` ([2^-110, 2^11)); a weight
+      with others raises ValueError naming it (prepare=False keeps every weight on the Triton kernel).
     prefill_chunk: the largest prefill chunk (positions; None: `default_prefill_chunk(max_len)`). A prompt of T
       tokens runs T // prefill_chunk chunks of it, then its rest in the smallest of `jspec.steps.chunk_sizes` that
       holds it (prefill_chunk and its halves, 5 shapes at most): one executable per shape, the tail the only padding.
