@@ -15,7 +15,8 @@ microseconds of every round and the median's ratio to the base's; whether the ou
 and at 31 and 7 CTAs are bitwise the base's (expected when a change keeps the arithmetic and the partition); and
 whether row 0 of an M = 1 call equals row 0 of M = 16 (row-exactness at a glance; tests/test_int4_ws.py checks
 every M). Shapes: issue 4's (`int4_matmul_bench.SHAPES`), Llama-3-8B's gate_up and down, the Qwen3.5 text shape's
-six products, and `synthetic` [K = 256 x 32, N = 128 x 132]: one row tile and 32 pipeline steps per CTA at 132 CTAs.
+six products, and `synthetic` [K = 256 x 32, N = 128 x 132]: one row tile and 32 pipeline steps per CTA at 132 CTAs;
+any other as KxN (e.g. 1024x16896: 4 steps per CTA, one tile each, at 132 CTAs).
 Its one GPU run, an A/A check (the base a copy of the same file): benchmarks/experiments/results/int4_ab_h200.json.
 """
 
@@ -26,6 +27,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -69,7 +71,7 @@ def output_bits(module, x16, codes, overrides: dict) -> list[np.ndarray]:
     """uint32 views of the M = 16 output at each partition of CHECK_CTAS."""
     outs = []
     for ctas in CHECK_CTAS:
-        cfg = module.Config(**overrides) if ctas is None else module.Config(ctas=ctas, min_steps=1, **overrides)
+        cfg = module.Config(**overrides) if ctas is None else module.Config(**{**overrides, "ctas": ctas, "min_steps": 1})
         outs.append(np.asarray(module.rows_matmul(x16, codes, config=cfg)).view(np.uint32))
     return outs
 
@@ -111,7 +113,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", default="unknown", help="the working tree's commit (and what differs from it)")
     ap.add_argument("--variants", default="[{}]", help="JSON list of int4_ws.Config overrides for the working tree")
-    ap.add_argument("--shapes", default="all", help=f"comma list of {', '.join(SHAPES)}; or 'all'")
+    ap.add_argument("--shapes", default="all", help=f"comma list of {', '.join(SHAPES)}, or KxN; or 'all'")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
@@ -125,6 +127,7 @@ def main():
         sys.exit("int4_ab.py times the Mosaic GPU kernel: it needs a GPU (there is no interpret mode)")
     variants = json.loads(args.variants)
     names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
+    SHAPES.update({s: tuple(map(int, s.split("x"))) for s in names if re.fullmatch(r"\d+x\d+", s)})
     unknown = [s for s in names if s not in SHAPES]
     if unknown:
         sys.exit(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}")
