@@ -10,11 +10,11 @@ int4 upcast layout hands it as one 32-bit word, are then exactly the 8 k the wgm
 into the wgmma operand's registers, a shift, a lop3 and one bf16x2 FMA with the scale per pair (`_dequantize`; no
 prmt, no data movement). `to_int4_weight` undoes the preparation exactly.
 
-The kernel (docs/design.md rule 1, the row tile: rows padded to ROW_TILE = 16, tiles from the shape only,
-partials combined outside in a fixed order, then `backend.first_rows`): a stream-K partition (`Partition`) gives each
-CTA (one per SM) an even share of the (row tile, k step) units. Per CTA one TMA warpgroup streams
-[2 * wg_rows, TILE_K] code tiles, their [2 * wg_rows, TILE_K / 32] scales (each one contiguous block: `Int4Codes`
-stores codes and scales step-major) and the [16, TILE_K] x tile through a
+The kernel (docs/design.md rule 1, the row tile: rows padded to ROW_TILE = 16, or to NARROW_ROWS = 8 when there
+are at most 8, tiles from the shape only, partials combined outside in a fixed order, then `backend.first_rows`): a
+stream-K partition (`Partition`) gives each CTA (one per SM) an even share of the (row tile, k step) units. Per CTA
+one TMA warpgroup streams [2 * wg_rows, TILE_K] code tiles, their [2 * wg_rows, TILE_K / 32] scales (each one
+contiguous block: `Int4Codes` stores codes and scales step-major) and the [16 (or 8), TILE_K] x tile through a
 `stages`-deep ring; two consumer warpgroups each load wg_rows rows of codes in the upcast layout (32-bit shared
 memory loads), dequantize them with the group scales (one bf16 rounding: the `pallas_kernels.int4` formula
 bf16(f32(q - 8) * f32(s)), times 2^-WEIGHT_SHIFT, undone on the accumulator) and issue wgmma with the 16 tokens on
@@ -249,8 +249,8 @@ def config_for(k: int, n: int) -> Config:
 
 
 def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> jax.Array:
-    """x [M <= 16, K] bfloat16 @ W [K, N] -> float32 [M, N], row-exact in M (GPU only). config: None for
-    `config_for` the weight's shape."""
+    """x [M <= 16, K] bfloat16 @ W [K, N] -> float32 [M, N], row-exact in M (GPU only): M <= NARROW_ROWS runs one
+    tile of NARROW_ROWS rows (`tiles_matmul`). config: None for `config_for` the weight's shape."""
     if not 1 <= x.shape[0] <= ROW_TILE:
         raise ValueError(f"rows_matmul takes 1..{ROW_TILE} rows, got {x.shape[0]}")
     return tiles_matmul(x, w, config=config)
@@ -258,11 +258,13 @@ def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> 
 
 def tiles_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> jax.Array:
     """x [R, K] bfloat16 (any R >= 1: a batch's rows, `pallas_kernels.matmul`) @ W [K, N] -> float32 [R, N]: R
-    padded to whole row tiles of ROW_TILE, each tile's rows the bits `rows_matmul` gives that tile alone. One launch
-    takes up to `launch_tiles` tiles over each weight tile it streams: one wgmma over them all (`Config.wide_wgmma`;
-    or one per tile), whose columns are the same dot products in the same k order as a tile alone, under the same
-    partition (a function of the weight's shape and the config), so the weights are read once per launch instead of
-    once per row tile."""
+    padded to whole row tiles of ROW_TILE, each tile's rows the bits `rows_matmul` gives that tile alone; R <=
+    NARROW_ROWS to one tile of NARROW_ROWS (half the x bytes a pipeline step moves into shared memory), each row
+    the bits a tile of ROW_TILE gives it (the wgmma's N columns are independent dot products over the same k; a GPU
+    test checks it). One launch takes up to `launch_tiles` tiles over each weight tile it streams: one wgmma over
+    them all (`Config.wide_wgmma`; or one per tile), whose columns are the same dot products in the same k order as
+    a tile alone, under the same partition (a function of the weight's shape and the config), so the weights are
+    read once per launch instead of once per row tile."""
     r, k = x.shape
     steps, n, _ = w.codes.shape
     k_stored = steps * TILE_K
@@ -271,16 +273,18 @@ def tiles_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) ->
         raise ValueError(f"the Mosaic GPU int4 kernel takes bfloat16 activations, got {x.dtype}")
     if w.shape[0] != k or not fits(k_stored, n, cfg):
         raise ValueError(f"Int4Codes {w.shape} (K, N) do not fit x K={k} or the kernel tiles {cfg}")
-    tiles = -(-r // ROW_TILE)
-    xp = jnp.pad(x, ((0, tiles * ROW_TILE - r), (0, k_stored - k)))  # zero rows, zero k under the padded codes
+    rows = NARROW_ROWS if r <= NARROW_ROWS else ROW_TILE
+    tiles = -(-r // rows)
+    xp = jnp.pad(x, ((0, tiles * rows - r), (0, k_stored - k)))  # zero rows, zero k under the padded codes
     per = launch_tiles(cfg)
-    ys = [_product(xp[i * ROW_TILE : (i + per) * ROW_TILE], w, cfg) for i in range(0, tiles, per)]
+    ys = [_product(xp[i * rows : (i + per) * rows], w, cfg) for i in range(0, tiles, per)]
     y = first_rows(jnp.concatenate(ys) if len(ys) > 1 else ys[0], r)
     return y if n == w.n else y[:, : w.n]  # the padded columns off
 
 
 def _product(xp: jax.Array, w: Int4Codes, cfg: Config) -> jax.Array:
-    """Padded x [T * ROW_TILE, K_stored] bf16 @ W -> float32 [T * ROW_TILE, N]: one launch, partials combined."""
+    """Padded x [T * ROW_TILE (or NARROW_ROWS), K_stored] bf16 @ W -> float32 [same rows, N]: one launch, partials
+    combined."""
     steps, n, _ = w.codes.shape
     part = partition(steps * TILE_K, n, cfg)
     parts = _tile(xp, w.codes, w.scales, cfg=cfg, part=part)
@@ -288,6 +292,7 @@ def _product(xp: jax.Array, w: Int4Codes, cfg: Config) -> jax.Array:
     return _combine(parts, live)
 
 
+NARROW_ROWS = 8  # the rows of a call of at most 8 (decode, verify k < 8): one tile, the wgmma's least N
 MAX_LAUNCH_TILES = 4  # row tiles per launch: [wg_rows, 4 x 16] float32 of accumulator per consumer warpgroup
 MIN_RING = 3  # the fewest pipeline stages a launch of several row tiles keeps
 
@@ -314,12 +319,14 @@ def launch_tiles(cfg: Config) -> int:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "part"))
 def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
-    """Padded x [T * 16, K] (T row tiles) -> float32 segment partials [max segments, T * 16, N] (slots past a
-    tile's segment count are never written). Jitted so each shape is lowered once per executable."""
+    """Padded x [T * 16, K] (T row tiles; or one tile of NARROW_ROWS) -> float32 segment partials [max segments,
+    rows of x, N] (slots past a tile's segment count are never written). Jitted so each shape is lowered once per
+    executable."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     x_rows = xp.shape[0]
-    tiles = x_rows // ROW_TILE
+    rt = min(x_rows, ROW_TILE)  # rows of a row tile: the wgmma's N per tile
+    tiles = x_rows // rt
     tile_k, wg_rows = TILE_K, cfg.wg_rows
     tile_rows, groups, chunk_k = cfg.tile_rows, tile_k // BLOCK, tile_k // cfg.chunks
     steps, units, ctas = part.steps, part.units, part.ctas
@@ -370,11 +377,9 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             def _():
                 seg = c - part.cta_of(t * steps)
                 cols = pl.ds(t * tile_rows + wg * wg_rows, wg_rows)
-                tile_accs = [
-                    a[...][:, i * ROW_TILE : (i + 1) * ROW_TILE] for a in accs for i in range(a.shape[1] // ROW_TILE)
-                ]
+                tile_accs = [a[...][:, i * rt : (i + 1) * rt] for a in accs for i in range(a.shape[1] // rt)]
                 for r, value in enumerate(tile_accs):  # the weights' scaling undone, exactly
-                    _store_transposed(value * 2.0**WEIGHT_SHIFT, o_gmem.at[seg, pl.ds(r * ROW_TILE, ROW_TILE), cols])
+                    _store_transposed(value * 2.0**WEIGHT_SHIFT, o_gmem.at[seg, pl.ds(r * rt, rt), cols])
 
             return accs
 
@@ -384,9 +389,9 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
 
         def compute_context(eval_pipeline):
             accs = (
-                [plgpu.ACC((wg_rows, tiles * ROW_TILE), jnp.float32)]
+                [plgpu.ACC((wg_rows, x_rows), jnp.float32)]
                 if cfg.wide_wgmma
-                else [plgpu.ACC((wg_rows, ROW_TILE), jnp.float32)] * tiles
+                else [plgpu.ACC((wg_rows, rt), jnp.float32)] * tiles
             )
             pl.run_scoped(lambda *accs: eval_pipeline(accs), *accs)
 

@@ -239,7 +239,8 @@ def test_kernel_index_arithmetic_has_no_floor_division_sign_corrections():
 @pytest.mark.parametrize("k", [1280, 1376])
 def test_gpu_row_exact_and_close_to_the_reference(config, k):
     # n = 512: 4 tiles; k = 1280: 5 K steps, segments of 1..4 steps, one to three per tile; 1376 (43 blocks of 32):
-    # codes padded to 1536
+    # codes padded to 1536. M <= 8 runs one 8-row tile (wgmma N = 8), M > 8 a 16-row tile: every row's bits are
+    # M = 16's
     n = 512
     w = _weight(k, n, seed=8)
     x = jnp.asarray(np.random.default_rng(9).standard_normal((16, k)), jnp.bfloat16)
