@@ -248,51 +248,69 @@ def config_for(k: int, n: int) -> Config:
     return dataclasses.replace(wide, ctas=tiles) if tiles >= WAVE_FILL_MIN * waves * sms else wide
 
 
-def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> jax.Array:
-    """x [M <= 16, K] bfloat16 @ W [K, N] -> float32 [M, N], row-exact in M (GPU only): M <= NARROW_ROWS runs one
-    tile of NARROW_ROWS rows (`tiles_matmul`). config: None for `config_for` the weight's shape."""
-    if not 1 <= x.shape[0] <= ROW_TILE:
-        raise ValueError(f"rows_matmul takes 1..{ROW_TILE} rows, got {x.shape[0]}")
-    return tiles_matmul(x, w, config=config)
+NARROW_ROWS = 8  # rows a call computes when at most 8 are read (decode, verify k < 8): the wgmma's least N
+
+
+def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None, live_rows: int | None = None) -> jax.Array:
+    """x [M <= 16, K] bfloat16 @ W [K, N] -> float32 [M, N], row-exact in M (GPU only). config: None for
+    `config_for` the weight's shape. live_rows (static): the leading rows the caller reads (None: all M). With at
+    most NARROW_ROWS of them the kernel computes NARROW_ROWS rows (wgmma N = 8: half the x bytes a pipeline step
+    moves into shared memory), each with the bits a 16-row tile gives it (the wgmma's N columns are independent
+    dot products over the same k; a GPU test checks it); rows NARROW_ROWS.. of the result then repeat rows 0.., so
+    the result has one shape and one graph whatever live_rows (docs/design.md, rule 7)."""
+    m = x.shape[0]
+    if not 1 <= m <= ROW_TILE:
+        raise ValueError(f"rows_matmul takes 1..{ROW_TILE} rows, got {m}")
+    if min(m, live_rows or m) > NARROW_ROWS:
+        return tiles_matmul(x, w, config=config)
+    k_stored, cfg = _layout(x, w, config)
+    xp = jnp.pad(x, ((0, (NARROW_ROWS if m <= NARROW_ROWS else ROW_TILE) - m), (0, k_stored - x.shape[1])))
+    return _columns(first_rows(_product(xp, w, cfg, narrow=True), m), w)
 
 
 def tiles_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None) -> jax.Array:
     """x [R, K] bfloat16 (any R >= 1: a batch's rows, `pallas_kernels.matmul`) @ W [K, N] -> float32 [R, N]: R
-    padded to whole row tiles of ROW_TILE, each tile's rows the bits `rows_matmul` gives that tile alone; R <=
-    NARROW_ROWS to one tile of NARROW_ROWS (half the x bytes a pipeline step moves into shared memory), each row
-    the bits a tile of ROW_TILE gives it (the wgmma's N columns are independent dot products over the same k; a GPU
-    test checks it). One launch takes up to `launch_tiles` tiles over each weight tile it streams: one wgmma over
-    them all (`Config.wide_wgmma`; or one per tile), whose columns are the same dot products in the same k order as
-    a tile alone, under the same partition (a function of the weight's shape and the config), so the weights are
-    read once per launch instead of once per row tile."""
-    r, k = x.shape
+    padded to whole row tiles of ROW_TILE, each tile's rows the bits `rows_matmul` gives that tile alone. One launch
+    takes up to `launch_tiles` tiles over each weight tile it streams: one wgmma over them all (`Config.wide_wgmma`;
+    or one per tile), whose columns are the same dot products in the same k order as a tile alone, under the same
+    partition (a function of the weight's shape and the config), so the weights are read once per launch instead of
+    once per row tile."""
+    r = x.shape[0]
+    k_stored, cfg = _layout(x, w, config)
+    tiles = -(-r // ROW_TILE)
+    xp = jnp.pad(x, ((0, tiles * ROW_TILE - r), (0, k_stored - x.shape[1])))  # zero rows, zero k under the padded codes
+    per = launch_tiles(cfg)
+    ys = [_product(xp[i * ROW_TILE : (i + per) * ROW_TILE], w, cfg) for i in range(0, tiles, per)]
+    return _columns(first_rows(jnp.concatenate(ys) if len(ys) > 1 else ys[0], r), w)
+
+
+def _layout(x: jax.Array, w: Int4Codes, config: Config | None) -> tuple[int, Config]:
+    """(K as stored, the Config) of a product of x with w, checked."""
     steps, n, _ = w.codes.shape
     k_stored = steps * TILE_K
     cfg = config or config_for(k_stored, n)
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"the Mosaic GPU int4 kernel takes bfloat16 activations, got {x.dtype}")
-    if w.shape[0] != k or not fits(k_stored, n, cfg):
-        raise ValueError(f"Int4Codes {w.shape} (K, N) do not fit x K={k} or the kernel tiles {cfg}")
-    rows = NARROW_ROWS if r <= NARROW_ROWS else ROW_TILE
-    tiles = -(-r // rows)
-    xp = jnp.pad(x, ((0, tiles * rows - r), (0, k_stored - k)))  # zero rows, zero k under the padded codes
-    per = launch_tiles(cfg)
-    ys = [_product(xp[i * rows : (i + per) * rows], w, cfg) for i in range(0, tiles, per)]
-    y = first_rows(jnp.concatenate(ys) if len(ys) > 1 else ys[0], r)
-    return y if n == w.n else y[:, : w.n]  # the padded columns off
+    if w.shape[0] != x.shape[1] or not fits(k_stored, n, cfg):
+        raise ValueError(f"Int4Codes {w.shape} (K, N) do not fit x K={x.shape[1]} or the kernel tiles {cfg}")
+    return k_stored, cfg
 
 
-def _product(xp: jax.Array, w: Int4Codes, cfg: Config) -> jax.Array:
+def _columns(y: jax.Array, w: Int4Codes) -> jax.Array:
+    """The product's logical columns: the padded ones off."""
+    return y if y.shape[1] == w.n else y[:, : w.n]
+
+
+def _product(xp: jax.Array, w: Int4Codes, cfg: Config, narrow: bool = False) -> jax.Array:
     """Padded x [T * ROW_TILE (or NARROW_ROWS), K_stored] bf16 @ W -> float32 [same rows, N]: one launch, partials
-    combined."""
+    combined. narrow: one tile of which only the first NARROW_ROWS rows are computed (`_tile`)."""
     steps, n, _ = w.codes.shape
     part = partition(steps * TILE_K, n, cfg)
-    parts = _tile(xp, w.codes, w.scales, cfg=cfg, part=part)
+    parts = _tile(xp, w.codes, w.scales, cfg=cfg, part=part, narrow=narrow)
     live = np.repeat(np.arange(parts.shape[0])[:, None] < part.segments[None, :], cfg.tile_rows, axis=1)
     return _combine(parts, live)
 
 
-NARROW_ROWS = 8  # the rows of a call of at most 8 (decode, verify k < 8): one tile, the wgmma's least N
 MAX_LAUNCH_TILES = 4  # row tiles per launch: [wg_rows, 4 x 16] float32 of accumulator per consumer warpgroup
 MIN_RING = 3  # the fewest pipeline stages a launch of several row tiles keeps
 
@@ -317,16 +335,18 @@ def launch_tiles(cfg: Config) -> int:
     return max(fit, default=1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "part"))
-def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
-    """Padded x [T * 16, K] (T row tiles; or one tile of NARROW_ROWS) -> float32 segment partials [max segments,
-    rows of x, N] (slots past a tile's segment count are never written). Jitted so each shape is lowered once per
-    executable."""
+@functools.partial(jax.jit, static_argnames=("cfg", "part", "narrow"))
+def _tile(xp, codes, scales, *, cfg: Config, part: Partition, narrow: bool = False):
+    """Padded x [T * 16, K] (T row tiles) -> float32 segment partials [max segments, T * 16, N] (slots past a
+    tile's segment count are never written). narrow: x is one tile of 8 or 16 rows of which the kernel reads and
+    computes the first NARROW_ROWS (the wgmma's N), storing them into rows 0.. and, for 16, again into rows 8..
+    Jitted so each shape is lowered once per executable."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     x_rows = xp.shape[0]
-    rt = min(x_rows, ROW_TILE)  # rows of a row tile: the wgmma's N per tile
-    tiles = x_rows // rt
+    rt = NARROW_ROWS if narrow else ROW_TILE  # rows of a row tile: the wgmma's N per tile
+    tiles = 1 if narrow else x_rows // rt
+    copies = x_rows // (rt * tiles)  # a narrow tile's rows stored this many times
     tile_k, wg_rows = TILE_K, cfg.wg_rows
     tile_rows, groups, chunk_k = cfg.tile_rows, tile_k // BLOCK, tile_k // cfg.chunks
     steps, units, ctas = part.steps, part.units, part.ctas
@@ -379,7 +399,9 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
                 cols = pl.ds(t * tile_rows + wg * wg_rows, wg_rows)
                 tile_accs = [a[...][:, i * rt : (i + 1) * rt] for a in accs for i in range(a.shape[1] // rt)]
                 for r, value in enumerate(tile_accs):  # the weights' scaling undone, exactly
-                    _store_transposed(value * 2.0**WEIGHT_SHIFT, o_gmem.at[seg, pl.ds(r * rt, rt), cols])
+                    value = value * 2.0**WEIGHT_SHIFT
+                    for copy in range(copies):
+                        _store_transposed(value, o_gmem.at[seg, pl.ds((r + copy) * rt, rt), cols])
 
             return accs
 
@@ -389,7 +411,7 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
 
         def compute_context(eval_pipeline):
             accs = (
-                [plgpu.ACC((wg_rows, x_rows), jnp.float32)]
+                [plgpu.ACC((wg_rows, tiles * rt), jnp.float32)]
                 if cfg.wide_wgmma
                 else [plgpu.ACC((wg_rows, rt), jnp.float32)] * tiles
             )
@@ -402,7 +424,7 @@ def _tile(xp, codes, scales, *, cfg: Config, part: Partition):
             in_specs=[
                 plgpu.BlockSpec((tile_rows, tile_k), step_block, transforms=code_tf),
                 plgpu.BlockSpec((tile_rows, groups), step_block),
-                plgpu.BlockSpec((x_rows, tile_k), lambda j: (0, unit(j)[1]), transforms=x_tf),
+                plgpu.BlockSpec((tiles * rt, tile_k), lambda j: (0, unit(j)[1]), transforms=x_tf),
             ],
             wg_axis="wg",
             num_compute_wgs=2,

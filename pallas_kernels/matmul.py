@@ -55,17 +55,22 @@ class Int4Halves:
 Weight = jax.Array | Int4Weight | Int4Halves | Int4Codes
 
 
-def linear(x: jax.Array, w: Weight, bias: jax.Array | None = None, *, out_dtype=None) -> jax.Array:
+def linear(
+    x: jax.Array, w: Weight, bias: jax.Array | None = None, *, out_dtype=None, live_rows: int | None = None
+) -> jax.Array:
     """x [M, K] (float32 | bfloat16) @ W [K, N] (+ bias [N]) -> [M, N] in out_dtype (default x.dtype).
 
-    Accumulates in float32; the bias is added in float32 before the single cast to out_dtype.
+    Accumulates in float32; the bias is added in float32 before the single cast to out_dtype. live_rows (static,
+    the row-tile path): the leading rows the caller reads, the step's valid rows (`jspec.models.layers.Run`); the
+    Mosaic GPU int4 kernel computes only 8 rows for at most 8 of them, every read row with its bits
+    (`int4_ws.rows_matmul`); the other products compute every row.
     """
     out_dtype = out_dtype or x.dtype
     m, k = x.shape
     if w.shape[0] != k:
         raise ValueError(f"linear: x has K={k} but the weight is {tuple(w.shape)} ([K, N])")
     if m <= _backend.ROW_TILE:
-        y = _row_tiles(x, w)
+        y = _row_tiles(x, w, live_rows)
     else:
         y = _product(x, w)
     if bias is not None:
@@ -73,24 +78,24 @@ def linear(x: jax.Array, w: Weight, bias: jax.Array | None = None, *, out_dtype=
     return y.astype(out_dtype)
 
 
-def _row_tiles(x: jax.Array, w: Weight) -> jax.Array:
+def _row_tiles(x: jax.Array, w: Weight, live_rows: int | None = None) -> jax.Array:
     """`rows_matmul`, and under `jax.vmap` (a batch of sequences, each with its rows: jspec.batch) one row-tile
     product over all their rows: x [B, M, K] is flattened to B * M rows and cut into tiles of ROW_TILE
     (`tiles_matmul`), so the weights are read once per tile (or per launch of several tiles), not once per
     sequence. Row r's result is the same bits wherever it sits in a tile (rule 1), so no sequence's rows depend on
-    another's (docs/design.md, rule 9)."""
-    return _row_tiles_under(_backend.get_backend())(x, w)
+    another's (docs/design.md, rule 9); the batch computes every row whatever live_rows."""
+    return _row_tiles_under(_backend.get_backend(), live_rows)(x, w)
 
 
 @functools.cache
-def _row_tiles_under(name: str):
+def _row_tiles_under(name: str, live_rows: int | None = None):
     """`_row_tiles` under kernel backend `name`, one custom_vmap function per backend: JAX (0.11) caches a
     custom_vmap body's trace by the function and its input types, so one function for every backend would reuse
     the trace of the first backend it ran under after a switch (`backend.use_backend`), silently."""
 
     @jax.custom_batching.custom_vmap
     def row_tiles(x, w):
-        return rows_matmul(x, w)
+        return rows_matmul(x, w, live_rows=live_rows)
 
     @row_tiles.def_vmap
     def _(axis_size: int, in_batched, x: jax.Array, w: Weight):
@@ -121,8 +126,9 @@ def tiles_matmul(x: jax.Array, w: Weight) -> jax.Array:
     return jnp.concatenate([rows_matmul(x[i : i + tile], w) for i in range(0, x.shape[0], tile)])
 
 
-def rows_matmul(x: jax.Array, w: Weight) -> jax.Array:
-    """Row-tile product: x [M <= ROW_TILE, K] @ W [K, N] -> float32 [M, N], row r independent of M."""
+def rows_matmul(x: jax.Array, w: Weight, *, live_rows: int | None = None) -> jax.Array:
+    """Row-tile product: x [M <= ROW_TILE, K] @ W [K, N] -> float32 [M, N], row r independent of M (live_rows:
+    `linear`'s)."""
     name = _backend.get_backend()
     if name == "reference":
         return reference_rows_matmul(x, w)
@@ -133,7 +139,7 @@ def rows_matmul(x: jax.Array, w: Weight) -> jax.Array:
             raise ValueError(f"Int4Codes (prepare_ws) need the GPU 'pallas' kernel backend, not {name!r}")
         from pallas_kernels import int4_ws
 
-        return int4_ws.rows_matmul(x, w)
+        return int4_ws.rows_matmul(x, w, live_rows=live_rows)
     from pallas_kernels import int4_matmul
 
     return int4_matmul.rows_matmul(x, w, interpret=name == "interpret")

@@ -255,6 +255,29 @@ def test_gpu_row_exact_and_close_to_the_reference(config, k):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
+@pytest.mark.parametrize(
+    "k,n,config",
+    [
+        (1280, 512, None),
+        (1280, 512, int4_ws.Config(ctas=7, min_steps=1)),  # several segments per tile
+        (1280, 512, int4_ws.Config(ctas=5, min_steps=1, wg_rows=128)),
+        (4096, 28672, None),  # Llama-3-8B gate_up: wide tiles
+    ],
+)
+def test_gpu_live_rows_compute_eight_rows_with_the_bits_of_the_full_tile(k, n, config):
+    # a step's 16-row tile of which at most 8 rows are read (decode, verify k < 8) runs the kernel on 8 rows
+    # (wgmma N = 8): every read row has the bits the full tile gives it, rows 8.. repeat rows 0..7; 9 read rows
+    # run the full tile
+    c = prepare_codes(_weight(k, n, seed=18))
+    x = jnp.asarray(np.random.default_rng(19).standard_normal((16, k)), jnp.bfloat16)
+    f = jax.jit(lambda x, c: [int4_ws.rows_matmul(x, c, config=config, live_rows=live) for live in (None, 1, 8, 9)])
+    full, *narrow, nine = (np.asarray(y) for y in f(x, c))
+    for y in narrow:
+        assert np.array_equal(bits(y[:8]), bits(full[:8])) and np.array_equal(bits(y[8:]), bits(y[:8]))
+    assert np.array_equal(bits(nine), bits(full))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
 def test_gpu_kernel_weights_are_the_formats_bits_across_the_scale_range():
     # one-hot rows pick single weights, y[i, n] = W[k_i, n]: every k (each nibble of the stored words), all 16 codes
     # and scales from the bottom to the top of SCALE_RANGE give the format's bf16(code s) exactly (`_dequantize`:

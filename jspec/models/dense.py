@@ -38,9 +38,9 @@ def init_cache(cfg: ModelConfig, length: int, dtype) -> tuple:
     return tuple(kv_cache(cfg, length, dtype) for _ in range(cfg.num_layers))
 
 
-def _project_qkv(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
+def _project_qkv(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, live_rows: int | None):
     t = x.shape[0]
-    qkv = linear(x, p["qkv"], p.get("qkv_bias"))
+    qkv = linear(x, p["qkv"], p.get("qkv_bias"), live_rows=live_rows)
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), positions, cfg)
     k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), positions, cfg)
@@ -49,7 +49,7 @@ def _project_qkv(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
 
 def attend(p: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array, cache, run: Run):
     """Attention sub-block on normed h [T, H] at `positions` -> ([T, Hq*D], cache); how it meets the cache: `run`."""
-    q, k, v = _project_qkv(p, cfg, h, positions)
+    q, k, v = _project_qkv(p, cfg, h, positions, run.live_rows)
     out, cache = cached_attention(cfg, q, k, v, cache, run)
     return out.reshape(h.shape[0], cfg.q_size), cache
 
@@ -82,17 +82,17 @@ def write_rows(cache: jax.Array, rows: jax.Array, start) -> jax.Array:
 def layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, cache, run: Run):
     """One decoder layer on the residual stream x [T, H] (see `cached_attention` for cache and run)."""
     h, cache = attend(p, cfg, rms_norm(x, p["input_norm"], cfg.rms_norm_eps), positions, cache, run)
-    out = row_parallel_linear(h, p["o"], p.get("o_bias"), cfg)
+    out = row_parallel_linear(h, p["o"], p.get("o_bias"), cfg, run.live_rows)
     if cfg.post_norms:
         out = rms_norm(out, p["post_self_attn_norm"], cfg.rms_norm_eps)
-    return mlp_half(p, cfg, x, out), cache
+    return mlp_half(p, cfg, x, out, run.live_rows), cache
 
 
-def mlp_half(p: dict, cfg: ModelConfig, x: jax.Array, out: jax.Array) -> jax.Array:
+def mlp_half(p: dict, cfg: ModelConfig, x: jax.Array, out: jax.Array, live_rows: int | None = None) -> jax.Array:
     """The second half of `layer`: the residual stream x [T, H] plus the attention sub-block's out [T, H], then
-    RMSNorm, the SwiGLU MLP and the second residual add -> x [T, H]."""
+    RMSNorm, the SwiGLU MLP and the second residual add -> x [T, H]. live_rows: `Run.live_rows`."""
     x = x + out
-    h = swiglu_mlp(p, rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps), cfg)
+    h = swiglu_mlp(p, rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps), cfg, live_rows)
     if cfg.post_norms:
         h = rms_norm(h, p["post_mlp_norm"], cfg.rms_norm_eps)
     return x + h

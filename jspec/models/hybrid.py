@@ -63,8 +63,8 @@ def _dims(cfg: ModelConfig) -> tuple[int, int, int]:
     return key_dim, value_dim, 2 * key_dim + value_dim
 
 
-def _mlp_block(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    return x + swiglu_mlp(p, _norm(x, p["post_attn_norm"], cfg), cfg)
+def _mlp_block(p: dict, cfg: ModelConfig, x: jax.Array, live_rows: int | None) -> jax.Array:
+    return x + swiglu_mlp(p, _norm(x, p["post_attn_norm"], cfg), cfg, live_rows)
 
 
 def init_cache(cfg: ModelConfig, length: int, dtype) -> tuple:
@@ -98,14 +98,15 @@ def attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Arra
     """Gated-attention decoder layer (+ MLP) on the residual stream x [T, H] -> (x, cache); cache and run as in
     `jspec.models.dense.cached_attention`."""
     t, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qkv = linear(_norm(x, p["input_norm"], cfg), p["qkv"], p.get("qkv_bias"))
+    qkv = linear(_norm(x, p["input_norm"], cfg), p["qkv"], p.get("qkv_bias"), live_rows=run.live_rows)
     q_gate, k, v = jnp.split(qkv, [2 * cfg.q_size, 2 * cfg.q_size + cfg.kv_size], axis=-1)
     q, gate = jnp.split(q_gate.reshape(t, hq, 2 * d), 2, axis=-1)
     q = apply_rope(_norm(q, p["q_norm"], cfg), positions, cfg)
     k = apply_rope(_norm(k.reshape(t, hkv, d), p["k_norm"], cfg), positions, cfg)
     out, cache = cached_attention(cfg, q, k, v.reshape(t, hkv, d), cache, run)
     out = out.reshape(t, cfg.q_size) * jax.nn.sigmoid(gate.reshape(t, cfg.q_size))
-    return _mlp_block(p, cfg, x + row_parallel_linear(out, p["o"], p.get("o_bias"), cfg)), cache
+    out = row_parallel_linear(out, p["o"], p.get("o_bias"), cfg, run.live_rows)
+    return _mlp_block(p, cfg, x + out, run.live_rows), cache
 
 
 def _gated_norm(x: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -129,7 +130,7 @@ def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, run: Run):
     )
     _, value_dim, conv_dim = _dims(cfg)
     width = cfg.linear_conv_kernel_dim
-    proj = linear(h, p["in_proj"])  # [T, conv_dim + value_dim + 2 nv]: mixed | z | b | a
+    proj = linear(h, p["in_proj"], live_rows=run.live_rows)  # [T, conv_dim + value_dim + 2 nv]: mixed | z | b | a
     mixed, z, b, a = jnp.split(proj, [conv_dim, conv_dim + value_dim, conv_dim + value_dim + nv], -1)
     if run.kind == FORWARD:
         window, state = jnp.zeros((width - 1, conv_dim), dtype), None
@@ -164,13 +165,13 @@ def gated_deltanet(p: dict, cfg: ModelConfig, h: jax.Array, cache, run: Run):
             conv_cache = jax.lax.dynamic_update_slice_in_dim(cache["conv"], window, 0, axis=0)
             cache = dict(conv=conv_cache, ssm=cache["ssm"].at[0].set(state))
     out = _gated_norm(out.astype(dtype), z.reshape(t, nv, dv), p["gdn_norm"], cfg.rms_norm_eps)
-    return row_parallel_linear(out.reshape(t, value_dim), p["out"], None, cfg), cache
+    return row_parallel_linear(out.reshape(t, value_dim), p["out"], None, cfg, run.live_rows), cache
 
 
 def linear_attention_layer(p: dict, cfg: ModelConfig, x: jax.Array, cache, run: Run):
     """Gated DeltaNet decoder layer (+ MLP) on the residual stream x [T, H] -> (x, cache)."""
     out, cache = gated_deltanet(p, cfg, _norm(x, p["input_norm"], cfg), cache, run)
-    return _mlp_block(p, cfg, x + out), cache
+    return _mlp_block(p, cfg, x + out, run.live_rows), cache
 
 
 def _layers(params: dict, cfg: ModelConfig, tokens: jax.Array, cache, run: Run):

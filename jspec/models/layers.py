@@ -49,6 +49,12 @@ class Run:
     def step(cls, start, rows: int, slot=None, one_split: bool = False) -> Run:
         return cls(STEP, start=start, slot=slot, rows=rows, one_split=one_split)
 
+    @property
+    def live_rows(self) -> int | None:
+        """The rows whose products a pass reads (`pallas_kernels.linear`'s live_rows): a step's valid rows; None
+        (every row) for the forward and a prefill chunk."""
+        return self.rows if self.kind == STEP else None
+
     def positions(self, t: int) -> jax.Array:
         """int32 [t]: the absolute positions of the pass's t rows."""
         return self.start + jnp.arange(t, dtype=jnp.int32)
@@ -107,20 +113,24 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Arra
     return jnp.concatenate([rotated, x_pass], axis=-1) if rot < x.shape[-1] else rotated
 
 
-def swiglu_mlp(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """down(silu(gate(x)) * up(x)) with the fused gate_up weight [H, 2I] ([gate | up] along N)."""
-    gate_up = linear(x, p["gate_up"], p.get("gate_up_bias"))
+def swiglu_mlp(p: dict, x: jax.Array, cfg: ModelConfig, live_rows: int | None = None) -> jax.Array:
+    """down(silu(gate(x)) * up(x)) with the fused gate_up weight [H, 2I] ([gate | up] along N); live_rows:
+    `Run.live_rows`."""
+    gate_up = linear(x, p["gate_up"], p.get("gate_up_bias"), live_rows=live_rows)
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    return row_parallel_linear(jax.nn.silu(gate) * up, p["down"], p.get("down_bias"), cfg)
+    return row_parallel_linear(jax.nn.silu(gate) * up, p["down"], p.get("down_bias"), cfg, live_rows)
 
 
-def row_parallel_linear(x: jax.Array, w, bias: jax.Array | None, cfg: ModelConfig) -> jax.Array:
+def row_parallel_linear(
+    x: jax.Array, w, bias: jax.Array | None, cfg: ModelConfig, live_rows: int | None = None
+) -> jax.Array:
     """`linear` of a row-parallel weight (o, down, Gated DeltaNet's out) -> [M, N] in x.dtype. Tensor parallel: x
     [M, K / n] @ the shard's K rows, the float32 partial products summed over the shards (one all-reduce, on the
-    same row-tile shape in decode and verify), then the bias added in float32 and one cast, as `linear` does."""
+    same row-tile shape in decode and verify), then the bias added in float32 and one cast, as `linear` does.
+    live_rows: `Run.live_rows`."""
     if cfg.tensor_parallel == 1:
-        return linear(x, w, bias)
-    y = jax.lax.psum(linear(x, w, out_dtype=jnp.float32), TP_AXIS)
+        return linear(x, w, bias, live_rows=live_rows)
+    y = jax.lax.psum(linear(x, w, out_dtype=jnp.float32, live_rows=live_rows), TP_AXIS)
     return (y if bias is None else y + bias.astype(jnp.float32)).astype(x.dtype)
 
 

@@ -63,7 +63,9 @@ def mtp_layer(params: dict, cfg: ModelConfig, hidden, tokens, cache, run: Run, l
         raise ValueError(f"MTP layer {layer_index} requested but params carry {len(heads)} MTP layer(s)")
     p = heads[layer_index]
     embedded = _norm(embed_tokens(params, cfg, tokens).astype(hidden.dtype), p["embed_norm"], cfg)
-    x = linear(jnp.concatenate([embedded, _norm(hidden, p["hidden_norm"], cfg)], axis=-1), p["fc"])
+    x = linear(
+        jnp.concatenate([embedded, _norm(hidden, p["hidden_norm"], cfg)], axis=-1), p["fc"], live_rows=run.live_rows
+    )
     x, cache = family_module(cfg).attention_layer(p["layer"], cfg, x, run.positions(x.shape[0]), cache, run)
     normed = _norm(x, p["final_norm"], cfg)
     return (x if cfg.mtp_layout == "deepseek" else normed), normed, cache
