@@ -71,7 +71,8 @@ def output_bits(module, x16, codes, overrides: dict) -> list[np.ndarray]:
     """uint32 views of the M = 16 output at each partition of CHECK_CTAS."""
     outs = []
     for ctas in CHECK_CTAS:
-        cfg = module.Config(**overrides) if ctas is None else module.Config(**{**overrides, "ctas": ctas, "min_steps": 1})
+        partition = {} if ctas is None else {"ctas": ctas, "min_steps": 1}
+        cfg = module.Config(**{**overrides, **partition})
         outs.append(np.asarray(module.rows_matmul(x16, codes, config=cfg)).view(np.uint32))
     return outs
 
