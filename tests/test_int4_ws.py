@@ -254,16 +254,17 @@ def test_gpu_row_exact_and_close_to_the_reference(config, k):
     np.testing.assert_allclose(ys[-1], dense, rtol=0, atol=1e-4 * np.max(np.abs(dense)))
 
 
+# (K, N, config) of the GPU tests of several tiles per launch and of live rows
+TILE_CASES = [
+    (1280, 512, None),
+    (1280, 512, int4_ws.Config(ctas=7, min_steps=1)),  # several segments per tile
+    (1280, 512, int4_ws.Config(ctas=5, min_steps=1, wg_rows=128)),
+    (4096, 28672, None),  # Llama-3-8B gate_up: wide tiles, 4 row tiles per launch (a ring of 3)
+]
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
-@pytest.mark.parametrize(
-    "k,n,config",
-    [
-        (1280, 512, None),
-        (1280, 512, int4_ws.Config(ctas=7, min_steps=1)),  # several segments per tile
-        (1280, 512, int4_ws.Config(ctas=5, min_steps=1, wg_rows=128)),
-        (4096, 28672, None),  # Llama-3-8B gate_up: wide tiles
-    ],
-)
+@pytest.mark.parametrize("k,n,config", TILE_CASES)
 def test_gpu_live_rows_compute_eight_rows_with_the_bits_of_the_full_tile(k, n, config):
     # a step's 16-row tile of which at most 8 rows are read (decode, verify k < 8) runs the kernel on 8 rows
     # (wgmma N = 8): every read row has the bits the full tile gives it, rows 8.. repeat rows 0..7; 9 read rows
@@ -346,13 +347,7 @@ def test_launches_of_several_row_tiles_fit_shared_memory_and_keep_one_tile_uncha
 @pytest.mark.skipif(not ON_GPU, reason="the Mosaic GPU kernel needs a GPU")
 @pytest.mark.parametrize(
     "k,n,config",
-    [
-        (1280, 512, None),
-        (1280, 512, int4_ws.Config(ctas=7, min_steps=1)),  # several segments per tile
-        (1280, 512, int4_ws.Config(ctas=5, min_steps=1, wg_rows=128)),
-        (1280, 512, int4_ws.Config(ctas=7, min_steps=1, wide_wgmma=False)),  # one wgmma per row tile
-        (4096, 28672, None),  # Llama-3-8B gate_up: wide tiles, 4 row tiles per launch (a ring of 3)
-    ],
+    TILE_CASES + [(1280, 512, int4_ws.Config(ctas=7, min_steps=1, wide_wgmma=False))],  # + one wgmma per row tile
 )
 def test_gpu_several_row_tiles_per_launch_give_each_tile_its_own_bits(k, n, config):
     # R rows in ceil(R / 16) tiles, launches of up to launch_tiles of them: every row equals that row of its tile
