@@ -257,7 +257,7 @@ def rows_matmul(x: jax.Array, w: Int4Codes, *, config: Config | None = None, liv
     most NARROW_ROWS of them the kernel computes NARROW_ROWS rows (wgmma N = 8: half the x bytes a pipeline step
     moves into shared memory), each with the bits a 16-row tile gives it (the wgmma's N columns are independent
     dot products over the same k; a GPU test checks it); rows NARROW_ROWS.. of the result then repeat rows 0.., so
-    the result has one shape and one graph whatever live_rows (docs/design.md, rule 7)."""
+    the result has one shape and one graph whatever live_rows (docs/design.md, rule 1)."""
     m = x.shape[0]
     if not 1 <= m <= ROW_TILE:
         raise ValueError(f"rows_matmul takes 1..{ROW_TILE} rows, got {m}")
