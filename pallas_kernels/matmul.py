@@ -89,9 +89,10 @@ def _row_tiles(x: jax.Array, w: Weight, live_rows: int | None = None) -> jax.Arr
 
 @functools.cache
 def _row_tiles_under(name: str, live_rows: int | None = None):
-    """`_row_tiles` under kernel backend `name`, one custom_vmap function per backend: JAX (0.11) caches a
-    custom_vmap body's trace by the function and its input types, so one function for every backend would reuse
-    the trace of the first backend it ran under after a switch (`backend.use_backend`), silently."""
+    """`_row_tiles` under kernel backend `name` with `live_rows`, one custom_vmap function per pair: JAX (0.11)
+    caches a custom_vmap body's trace by the function and its input types, so one function for every backend (or
+    live_rows) would reuse the trace of the first one it ran under after a switch (`backend.use_backend`),
+    silently."""
 
     @jax.custom_batching.custom_vmap
     def row_tiles(x, w):

@@ -128,8 +128,8 @@ def main():
         sys.exit("int4_ab.py times the Mosaic GPU kernel: it needs a GPU (there is no interpret mode)")
     variants = json.loads(args.variants)
     names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
-    SHAPES.update({s: tuple(map(int, s.split("x"))) for s in names if re.fullmatch(r"\d+x\d+", s)})
-    unknown = [s for s in names if s not in SHAPES]
+    shapes = SHAPES | {s: tuple(map(int, s.split("x"))) for s in names if re.fullmatch(r"\d+x\d+", s)}
+    unknown = [s for s in names if s not in shapes]
     if unknown:
         sys.exit(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}")
     base = load_base(args.base)
@@ -147,7 +147,7 @@ def main():
         "results": {},
     }
     for name in names:
-        r = report["results"][name] = run_shape(base, variants, *SHAPES[name], args.rounds, args.repeats, args.copies)
+        r = report["results"][name] = run_shape(base, variants, *shapes[name], args.rounds, args.repeats, args.copies)
         line = "  ".join(
             f"{label} {r[label]['median_us']:7.2f} us ({r[label]['vs_base']:.3f}x, bits {r[label]['bits_equal_base']})"
             for label in r
