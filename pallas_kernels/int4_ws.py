@@ -315,18 +315,17 @@ MAX_LAUNCH_TILES = 4  # row tiles per launch: [wg_rows, 4 x 16] float32 of accum
 MIN_RING = 3  # the fewest pipeline stages a launch of several row tiles keeps
 
 
-def _ring_bytes(cfg: Config, tiles: int) -> tuple[int, int]:
-    """(bytes of one pipeline stage, bytes outside the ring) of a launch over `tiles` row tiles."""
-    stage = cfg.tile_rows * TILE_K // 2 + cfg.tile_rows * (TILE_K // BLOCK) * 2 + tiles * ROW_TILE * TILE_K * 2
-    return stage, 2 * ROW_TILE * cfg.wg_rows * 4
+def stage_bytes(cfg: Config, tiles: int) -> int:
+    """Shared-memory bytes of one pipeline stage of a launch over `tiles` row tiles: codes, scales and x tiles (the
+    kernel's only shared-memory buffers; its partials go from registers straight to global memory)."""
+    return cfg.tile_rows * TILE_K // 2 + cfg.tile_rows * (TILE_K // BLOCK) * 2 + tiles * ROW_TILE * TILE_K * 2
 
 
 def ring(cfg: Config, tiles: int) -> int:
     """Pipeline stages of a launch over `tiles` row tiles: cfg.stages, fewer where the x tiles leave no room in a
     CTA's shared memory (`backend.SMEM_BYTES` less its reserve). The ring depth changes the overlap only, never the
     bits."""
-    stage, fixed = _ring_bytes(cfg, tiles)
-    return max(1, min(cfg.stages, (SMEM_BYTES - SMEM_RESERVE - fixed) // stage))
+    return max(1, min(cfg.stages, (SMEM_BYTES - SMEM_RESERVE) // stage_bytes(cfg, tiles)))
 
 
 def launch_tiles(cfg: Config) -> int:

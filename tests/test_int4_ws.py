@@ -338,8 +338,7 @@ def test_launches_of_several_row_tiles_fit_shared_memory_and_keep_one_tile_uncha
         assert int4_ws.ring(cfg, 1) == cfg.stages  # one row tile: the ring of the decode and verify steps
         per = int4_ws.launch_tiles(cfg)
         assert 1 < per <= int4_ws.MAX_LAUNCH_TILES and int4_ws.ring(cfg, per) >= int4_ws.MIN_RING
-        stage, fixed = int4_ws._ring_bytes(cfg, per)
-        assert int4_ws.ring(cfg, per) * stage + fixed + int4_ws.SMEM_RESERVE <= int4_ws.SMEM_BYTES
+        assert int4_ws.ring(cfg, per) * int4_ws.stage_bytes(cfg, per) + int4_ws.SMEM_RESERVE <= int4_ws.SMEM_BYTES
     # 64 rows (a B = 64 greedy round) in one launch with either tile, so each weight is read once a round
     assert int4_ws.launch_tiles(int4_ws.Config()) == 4 and int4_ws.launch_tiles(int4_ws.Config(wg_rows=128)) == 4
 
