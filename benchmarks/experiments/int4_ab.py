@@ -8,15 +8,17 @@ gets the working tree, not the git history):
     python3 benchmarks/experiments/int4_ab.py --base .gpu/int4_ws_base.py --out $OUT/int4_ab_h200.json --commit <sha> \\
         [--variants '[{}, {"stages": 5}]'] [--rounds 2] [--shapes qwen2.5-14b/gate_up,synthetic]
 
-The base file runs against the working tree's other modules (`pallas_kernels.int4`, `backend`, `int4_matmul`).
-Each side prepares its own Int4Codes from the same Int4Weights, so the code layout may differ between them; each
-variant is a dict of `int4_ws.Config` overrides for the working tree's kernel. Per shape and variant: kernel
-microseconds of every round and the median's ratio to the base's; whether the outputs at the default partition
-and at 31 and 7 CTAs are bitwise the base's (expected when a change keeps the arithmetic and the partition); and
-whether row 0 of an M = 1 call equals row 0 of M = 16 (row-exactness at a glance; tests/test_int4_ws.py checks
-every M). Shapes: issue 4's (`int4_matmul_bench.SHAPES`), Llama-3-8B's gate_up and down, the Qwen3.5 text shape's
-six products, and `synthetic` [K = 256 x 32, N = 128 x 132]: one row tile and 32 pipeline steps per CTA at 132 CTAs;
-any other as KxN (e.g. 1024x16896: 4 steps per CTA, one tile each, at 132 CTAs).
+The base file runs against the working tree's other modules (`pallas_kernels.int4`, `backend`, `int4_matmul`). Each side
+prepares its own Int4Codes from the same Int4Weights, so the code layout may differ between them; each variant is a dict
+of overrides of `int4_ws.Config()` for the working tree's kernel, and the base runs its own `Config()`: the 128-row
+default tile on every shape, not `config_for`'s choice (which gives gate_up and lm_head 256-row tiles in the models;
+`{"wg_rows": 128}` is that tile under the stream-K partition). Per shape and variant: kernel microseconds of every round
+and the median's ratio to the base's; whether the outputs at the default partition and at 31 and 7 CTAs are bitwise the
+base's (expected when a change keeps the arithmetic and the partition); and whether row 0 of an M = 1 call equals row 0
+of M = 16 (row-exactness at a glance; tests/test_int4_ws.py checks every M). Shapes: issue 4's
+(`int4_matmul_bench.SHAPES`), Llama-3-8B's gate_up and down, the Qwen3.5 text shape's six products, and `synthetic` [K =
+256 x 32, N = 128 x 132]: one row tile and 32 pipeline steps per CTA at 132 CTAs; any other as KxN (e.g. 1024x16896: 4
+steps per CTA, one tile each, at 132 CTAs).
 Its one GPU run, an A/A check (the base a copy of the same file): benchmarks/experiments/results/int4_ab_h200.json.
 """
 
