@@ -39,6 +39,7 @@ from jspec.loop import (
     start_loop,
 )
 from jspec.memory import check_fits, tree_bytes
+from jspec.models import with_activation_dtype
 from jspec.sampling import Sampler
 from jspec.stats import STOP_REASONS, BatchStats, SpecStats
 from jspec.steps import PREFILL_CHUNK, chunk_sizes, tail_size
@@ -96,6 +97,12 @@ class Request:
         padded = np.zeros((max_len,), np.int32)
         padded[: self.prompt.size] = self.prompt
         return padded, np.int32(self.prompt.size), np.int32(self.max_new), self.eos
+
+
+def _cast_bytes(before, after) -> int:
+    """Bytes of the arrays of `after` whose dtype differs from `before`'s (the same tree, as shapes): a cast's copy."""
+    pairs = zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
+    return sum(tree_bytes(new) for old, new in pairs if old.dtype != new.dtype)
 
 
 class Engine:
@@ -164,11 +171,14 @@ class Engine:
         if mesh is not None:
             self.shard_cfg = tensor_parallel.shard_config(cfg, tensor_parallel.mesh_size(mesh))
         stacked = tensor_parallel.is_stacked(params, mesh)
-        local = self._shard_shapes(params)
+        shapes = jax.eval_shape(lambda p: with_activation_dtype(p, self.dtype), params)  # computes in self.dtype
+        local = self._shard_shapes(shapes)
+        cast = _cast_bytes(self._shard_shapes(params), local)
         backend = get_backend()
         self.prepared = resolve_prepare(prepare, local, self.dtype, backend)
         prep = ws_prep_nbytes(local) if backend == "pallas" else prepared_nbytes(local, self.dtype)
-        self._check_memory(params, self.settings(), prepared_weights=prep if self.prepared else 0)
+        self._check_memory(shapes, self.settings(), prepared_weights=prep if self.prepared else 0, cast_weights=cast)
+        params = with_activation_dtype(params, self.dtype)
         if mesh is not None and not stacked:
             params = tensor_parallel.shard_params(params, cfg, mesh)
         if self.prepared:
@@ -220,9 +230,12 @@ class Engine:
             sampling=None if sampler is None else sampler.mode,
         )
 
-    def _check_memory(self, params, settings: LoopSettings, prepared_weights: int = 0, own=None) -> None:
+    def _check_memory(
+        self, params, settings: LoopSettings, prepared_weights: int = 0, own=None, cast_weights: int = 0
+    ) -> None:
         """Raise MemoryBudgetError if a generation with these settings, in every one of the batch_size slots,
-        would not fit (`jspec.memory`; on a mesh, one device's shard)."""
+        would not fit (`jspec.memory`; on a mesh, one device's shard). cast_weights: the bytes of the params' copy
+        in the Engine's dtype, where theirs differs."""
         shapes = jax.eval_shape(
             lambda p, o, *request: start_loop(p, self.shard_cfg, settings, *request, own=o),
             self._shard_shapes(params),
@@ -237,6 +250,7 @@ class Engine:
                 self.shard_cfg, self.prefill_chunk, self.dtype
             ),
             "prepared int4 weights": prepared_weights,
+            f"the weights cast to {self.dtype}": cast_weights,
         }
         check_fits(
             parts,
@@ -288,8 +302,9 @@ class Engine:
             # a model's weights run in its embedding's dtype; a head's (MTPDrafter.over) in the engine's
             dtype = jnp.dtype(own["embed"].dtype).name if "embed" in own else self.dtype
             backend = get_backend()
-            prepare = resolve_prepare(None if self.prepared else False, own, dtype, backend)
-            mine = prepare_params(own, dtype, backend) if prepare else own
+            mine = with_activation_dtype(own, dtype)
+            prepare = resolve_prepare(None if self.prepared else False, mine, dtype, backend)
+            mine = prepare_params(mine, dtype, backend) if prepare else mine
             self._drafter_weights = (own, mine if self.mesh is None else tensor_parallel.replicate(mine, self.mesh))
         return self.params, self._drafter_weights[1]
 

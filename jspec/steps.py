@@ -45,6 +45,17 @@ def tail_size(sizes: tuple[int, ...], remaining: int) -> int:
     return min(s for s in sizes if s >= remaining)
 
 
+def check_dtype(params: dict, state: DecodeState) -> None:
+    """Raise ValueError unless the state (activations, caches) is in the params' dtype: a model computes in its
+    embedding's dtype (dtypes are static: this raises while tracing, inside jit too)."""
+    want, got = jnp.dtype(params["embed"].dtype), jnp.dtype(state.hidden.dtype)
+    if got != want:
+        raise ValueError(
+            f"the state is {got.name} but the params compute in {want.name} (their embedding's dtype): build it with "
+            f"init_state(cfg, max_len, {want.name!r}), or cast the params (jspec.models.with_activation_dtype)"
+        )
+
+
 def prefill_chunk(params: dict, cfg: ModelConfig, state: DecodeState, start, n_valid, size: int):
     """Run the prompt chunk at positions start..start+size-1 (its tokens read from state.tokens, the first n_valid
     real, 1 <= n_valid <= size): write its KV rows, attend the cache causally (flash path), carry the recurrent
@@ -54,6 +65,7 @@ def prefill_chunk(params: dict, cfg: ModelConfig, state: DecodeState, start, n_v
     Memory: the chunk's activations (size x max(H, 2I) in the activation dtype) and one [Hq, size, 256] float32
     block of attention scores (jnp path; a [block_q, block_k] tile per program in the kernel), never the prompt's.
     """
+    check_dtype(params, state)
     index = start + jnp.arange(size, dtype=jnp.int32)
     tokens = jnp.take(state.tokens, index, mode="fill", fill_value=0)  # past the buffer: padding, never clamped
     hidden, cache = family_module(cfg).prefill_chunk(params, cfg, tokens, state.cache, start, n_valid)
@@ -122,6 +134,7 @@ def _tile_step(params: dict, cfg: ModelConfig, state: DecodeState, row_tokens: j
     """Run one row tile at state.position. row_tokens int32 [T] (T = ROW_TILE, or a batch slot's rows);
     rows = valid rows (static); one_split (static): the attention's partition (`jspec.models.layers.Run`). The
     tile's hidden rows go to state.hidden[:T]."""
+    check_dtype(params, state)
     family = family_module(cfg)
     hidden, cache = family.step(params, cfg, row_tokens, state.cache, state.position, state.slot, rows, one_split)
     logits = jax.lax.optimization_barrier(logits_from_hidden(params, cfg, hidden))

@@ -12,6 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jspec
+from jspec.models import family_module, quantize_linears
+from pallas_kernels import Int4Weight
 from tests.tiny import ScriptDrafter, tiny_config, tiny_params
 
 MAX_LEN = 64
@@ -240,6 +242,32 @@ def test_forward_rejects_bad_tokens():
         jspec.forward(eng.params, eng.cfg, [0, 96])
     with pytest.raises(ValueError, match="non-empty"):
         jspec.forward(eng.params, eng.cfg, [])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_5"])
+@pytest.mark.parametrize("params_dtype, dtype", [("bfloat16", "float32"), ("float32", "bfloat16")])
+def test_engine_computes_in_its_dtype_whatever_the_params(family, params_dtype, dtype):
+    """Engine(dtype=) runs activations and caches in dtype for params of the other one: the tokens of an Engine over
+    the params cast by hand (every floating array but the int4 weights and the Gated DeltaNet's float32 A_log and
+    dt_bias), with and without a drafter; those stay float32 in its params."""
+    cfg = tiny_config(family)
+    fresh = family_module(cfg).init_params(cfg, jax.random.PRNGKey(3), jnp.dtype(params_dtype), scale=0.1)
+    params = quantize_linears(fresh, lm_head=False)
+
+    def by_hand(path, x):
+        kept = isinstance(x, Int4Weight) or path[-1].key in ("A_log", "dt_bias")
+        return x if kept or not jnp.issubdtype(x.dtype, jnp.floating) else x.astype(dtype)
+
+    cast = jax.tree_util.tree_map_with_path(by_hand, params, is_leaf=lambda x: isinstance(x, Int4Weight))
+    reference = jspec.Engine(cast, cfg, max_len=MAX_LEN, k=3)
+    ours = jspec.Engine(params, cfg, max_len=MAX_LEN, k=3, dtype=dtype)
+    assert reference.dtype == ours.dtype == dtype
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    greedy = reference.generate(prompt, 12).tokens
+    assert ours.generate(prompt, 12).tokens == greedy
+    assert ours.generate(prompt, 12, drafter=jspec.PromptLookup()).tokens == greedy
+    kept = [x for layer in ours.params["layers"] for name, x in layer.items() if name in ("A_log", "dt_bias")]
+    assert all(x.dtype == jnp.float32 for x in kept) and len(kept) == 2 * (family == "qwen3_5")
 
 
 def test_generate_convenience_matches_engine():

@@ -99,6 +99,11 @@ CONSTRUCTORS = {
     "gate window": (lambda p, c: jspec.HitDensityGate(window="8"), TypeError, "window must be an integer"),
     "TieGuard eps": (lambda p, c: jspec.TieGuard(eps="small"), TypeError, "TieGuard eps must be a number"),
     "TieGuard nan": (lambda p, c: jspec.TieGuard(eps=float("nan")), ValueError, "TieGuard eps must be finite"),
+    "steps state dtype": (
+        lambda p, c: jspec.prefill(p, c, jspec.init_state(c, 32, jnp.bfloat16), jnp.ones((8,), jnp.int32), 8),
+        ValueError,
+        "the state is bfloat16 but the params compute in float32",
+    ),
 }
 
 

@@ -15,12 +15,34 @@ import importlib
 from types import ModuleType
 
 import jax
+import jax.numpy as jnp
 
 from jspec.config import DENSE_FAMILIES, HYBRID_FAMILIES, ModelConfig, UnsupportedModelError
-from pallas_kernels import quantize
+from pallas_kernels import Int4Codes, Int4Halves, Int4Weight, quantize
 
 # The param names of every matrix `linear` multiplies by, in all families (dense, hybrid, MTP fc) and lm_head.
 LINEAR_WEIGHTS = ("qkv", "o", "gate_up", "down", "in_proj", "out", "fc", "lm_head")
+
+
+# Params kept in float32 whatever the activations' dtype: the Gated DeltaNet decay's A_log and dt_bias (the recurrence
+# runs in float32, as in transformers; checkpoints/hf_hybrid.py loads them so).
+FLOAT32_PARAMS = ("A_log", "dt_bias")
+
+
+def with_activation_dtype(params, dtype):
+    """params computing in `dtype` ("float32" or "bfloat16"): a model's activations take its embedding's dtype, so
+    every floating array (embedding, norms, biases, dense weights) is cast to it, except FLOAT32_PARAMS and the int4
+    weights (their bf16 scales are the format's). Arrays already in dtype are kept, not copied."""
+    dtype = jnp.dtype(dtype)
+    quantized = (Int4Weight, Int4Halves, Int4Codes)
+
+    def cast(path, leaf):
+        if isinstance(leaf, quantized) or getattr(path[-1], "key", None) in FLOAT32_PARAMS:
+            return leaf
+        floating = jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != dtype
+        return leaf.astype(dtype) if floating else leaf
+
+    return jax.tree_util.tree_map_with_path(cast, params, is_leaf=lambda x: isinstance(x, quantized))
 
 
 def family_module(cfg: ModelConfig) -> ModuleType:
