@@ -50,6 +50,16 @@ EXPECTED = {
         ],
         1,
     ),
+    "05_hybrid.ipynb": (
+        [
+            "all identical to greedy: True",
+            "LIVE_IDENTICAL: True",
+            "STATE_IDENTICAL: True",
+            "SAMPLED_IDENTICAL: True",
+            "HYBRID_OK",
+        ],
+        2,
+    ),
 }
 
 
