@@ -68,13 +68,13 @@ def _sampler(args):
     import jspec
 
     if not args.temperature:
-        given = [f"--{f.replace('_', '-')}" for f in SAMPLING_FLAGS if getattr(args, f) is not None]
+        given = [f"--{f.replace('_', '-')}" for f in (*SAMPLING_FLAGS, "seed") if getattr(args, f) is not None]
         if given:
             verb = "needs" if len(given) == 1 else "need"
             raise CliError(f"{', '.join(given)} {verb} --temperature > 0 (temperature 0 is greedy decoding)")
         return None
     values = {f: getattr(args, f) for f in SAMPLING_FLAGS if getattr(args, f) is not None}
-    return jspec.Sampler(temperature=args.temperature, seed=args.seed, **values)
+    return jspec.Sampler(temperature=args.temperature, seed=args.seed or 0, **values)
 
 
 def _draft_checkpoint(args, path: str) -> str | None:
@@ -339,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-p", type=float)
     s.add_argument("--min-p", type=float)
     s.add_argument("--repetition-penalty", type=float)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, help="the sampling noise's seed (default 0)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], help="for HuggingFace checkpoints")
     g.add_argument("--quantize", choices=["int4"], help="quantize a HuggingFace checkpoint on load")

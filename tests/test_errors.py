@@ -257,6 +257,8 @@ CLI_CASES = {
         "needs --draft-checkpoint",
     ),
     "draft checkpoint alone": (["--draft-checkpoint", "{no_mtp}"], "is the draft model of --drafter draft-model"),
+    "seed without sampling": (["--seed", "3"], "--seed needs --temperature > 0"),
+    "top-p and seed without sampling": (["--top-p", "0.9", "--seed", "3"], "--top-p, --seed need --temperature > 0"),
     "draft model of another tokenizer": (
         ["--drafter", "draft-model", "--draft-checkpoint", "{no_mtp}"],
         "DraftModel: vocabulary of \\d+ tokens against the target's 8192",
