@@ -248,8 +248,8 @@ def test_forward_rejects_bad_tokens():
 @pytest.mark.parametrize("params_dtype, dtype", [("bfloat16", "float32"), ("float32", "bfloat16")])
 def test_engine_computes_in_its_dtype_whatever_the_params(family, params_dtype, dtype):
     """Engine(dtype=) runs activations and caches in dtype for params of the other one: the tokens of an Engine over
-    the params cast by hand (every floating array but the int4 weights and the Gated DeltaNet's float32 A_log and
-    dt_bias), with and without a drafter; those stay float32 in its params."""
+    the params cast by hand (every floating array but the int4 weights and the Gated DeltaNet's A_log and dt_bias,
+    float32 here as an import stores them), with and without a drafter; those stay float32 in its params."""
     cfg = tiny_config(family)
     fresh = family_module(cfg).init_params(cfg, jax.random.PRNGKey(3), jnp.dtype(params_dtype), scale=0.1)
     params = quantize_linears(fresh, lm_head=False)

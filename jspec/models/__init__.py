@@ -24,15 +24,15 @@ from pallas_kernels import Int4Codes, Int4Halves, Int4Weight, quantize
 LINEAR_WEIGHTS = ("qkv", "o", "gate_up", "down", "in_proj", "out", "fc", "lm_head")
 
 
-# Params kept in float32 whatever the activations' dtype: the Gated DeltaNet decay's A_log and dt_bias (the recurrence
-# runs in float32, as in transformers; checkpoints/hf_hybrid.py loads them so).
+# Params left in their stored dtype whatever the activations': the Gated DeltaNet decay's A_log and dt_bias (float32 in
+# an imported checkpoint, as checkpoints/hf_hybrid.py loads them: the recurrence runs in float32, as in transformers).
 FLOAT32_PARAMS = ("A_log", "dt_bias")
 
 
 def with_activation_dtype(params, dtype):
     """params computing in `dtype` ("float32" or "bfloat16"): a model's activations take its embedding's dtype, so
-    every floating array (embedding, norms, biases, dense weights) is cast to it, except FLOAT32_PARAMS and the int4
-    weights (their bf16 scales are the format's). Arrays already in dtype are kept, not copied."""
+    every floating array (embedding, norms, biases, dense weights) is cast to it, except FLOAT32_PARAMS (left as
+    stored) and the int4 weights (their bf16 scales are the format's). Arrays already in dtype are kept, not copied."""
     dtype = jnp.dtype(dtype)
     quantized = (Int4Weight, Int4Halves, Int4Codes)
 
