@@ -9,8 +9,9 @@ Params (a plain dict pytree; every linear weight is dense [K, N] or an int4 `Int
              (head h: query in columns 2hD..2hD+D-1, output gate in the next D), qkv_bias, q_norm [D], k_norm [D],
              o [Hq D, H], o_bias
   Gated DeltaNet: in_proj [H, 2 Kd + 2 Vd + 2 nv] = [q | k | v | z | b | a] (Kd = nk dk, Vd = nv dv; q/k/v are
-             the conv channels), conv [W, 2 Kd + Vd] (tap W-1 = current input), A_log [nv] float32,
-             dt_bias [nv] float32, gdn_norm [dv], out [Vd, H]
+             the conv channels), conv [W, 2 Kd + Vd] (tap W-1 = current input), A_log [nv], dt_bias [nv]
+             (float32 from an import, the bundled demo-hybrid's bf16; `gdn_gates` computes in float32 either way),
+             gdn_norm [dv], out [Vd, H]
 Cache, one entry per layer: full attention kv [S, Hkv, 2, D] (keys, values) in the activation dtype; Gated DeltaNet
   {"conv": [R + W-2, 2 Kd + Vd] activation dtype, "ssm": float32 [R, nv, dk, dv]} with R = ROW_TILE candidate slots:
   slot `state.slot` holds the committed state (its conv window: conv rows slot .. slot + W-2); a row-tile step
