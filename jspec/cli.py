@@ -279,7 +279,9 @@ def cmd_inspect(args) -> int:
     from jspec.model import resolve_checkpoint
     from pallas_kernels import Int4Weight
 
-    path = resolve_checkpoint(args.checkpoint)
+    if args.path is not None and args.checkpoint is not None and args.path != args.checkpoint:
+        raise CliError(f"two checkpoints given: {args.path!r} and --checkpoint {args.checkpoint!r}")
+    path = resolve_checkpoint(args.path or args.checkpoint)
     model = jspec.load(path)
     leaves = jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, Int4Weight))
     n_int4 = sum(int(w.shape[0]) * int(w.shape[1]) for w in leaves if isinstance(w, Int4Weight))
@@ -360,9 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_convert)
 
     i = sub.add_parser("inspect", help="print a checkpoint's config and sizes")
-    i.add_argument(
-        "--checkpoint", "--model", dest="checkpoint", help="checkpoint dir, or 'demo' (the default) or 'demo-hybrid'"
-    )
+    what = "checkpoint dir, or 'demo' (the default) or 'demo-hybrid'"
+    i.add_argument("path", nargs="?", metavar="CHECKPOINT", help=what)
+    i.add_argument("--checkpoint", "--model", dest="checkpoint", help=f"{what} (the same as CHECKPOINT)")
     i.set_defaults(func=cmd_inspect)
 
     # Listed for --help only: `main` hands `jspec bench ...` to jspec_bench.main verbatim.

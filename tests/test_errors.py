@@ -289,6 +289,25 @@ def test_cli_convert_checks_the_target_first(bad_dirs, capsys):
     assert "exists and is not an empty directory" in capsys.readouterr().err
 
 
+def test_cli_inspect_reports_the_checkpoint_named_either_way(bad_dirs, capsys):
+    """`jspec inspect demo-hybrid` and `--model demo-hybrid` print the same JSON: the config and the weight counts;
+    two different checkpoints, or a directory that is none, are one-line errors."""
+    assert cli.main(["inspect", "demo-hybrid"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert cli.main(["inspect", "--model", "demo-hybrid"]) == 0
+    assert json.loads(capsys.readouterr().out) == info
+    assert info["checkpoint"].endswith("demo_hybrid") and info["config"]["family"] == "qwen3_5"
+    assert info["int4_params"] > 10**7 and 0 < info["dense_params"] < info["int4_params"] and info["bytes"] > 0
+    for argv, message in (
+        (["inspect", "demo", "--checkpoint", "demo-hybrid"], "two checkpoints given: 'demo' and --checkpoint"),
+        (["inspect", str(bad_dirs["root"])], "neither jspec.json .* nor config.json"),
+    ):
+        assert cli.main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and err.startswith("jspec inspect: error: ")
+        assert re.search(message, err), err
+
+
 def test_cli_compare_greedy_times_warmed_runs(capsys):
     """With the bundled draft model (`--drafter draft-model` on the demo model)."""
     argv = ["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "12", "--compare-greedy", "--json"]
