@@ -15,7 +15,7 @@ the `tail` after the last one to the outer region's end, its `span`; the spread 
 (globaltimer); and the kernel's time alone (unprofiled) against that span: what the launch costs outside it.
 
     python3 benchmarks/experiments/int4_phases.py --out $OUT/int4_phases_h100.json --commit <sha> \\
-        [--shapes qwen3.5/out,qwen3.5/down,qwen3.5/gate_up,synthetic]
+        [--shapes qwen3.5/out,qwen3.5/down,qwen3.5/gate_up,synthetic] [--variants '[{}, {"wg_rows": 64}]']
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -173,29 +174,31 @@ def sm_clock_mhz() -> dict:
         return {"error": repr(e)[:200]}
 
 
-def run_shape(k: int, n: int, repeats: int, trace_dir: str) -> dict:
+def run_shape(k: int, n: int, repeats: int, trace_dir: str, overrides: dict) -> dict:
+    """One shape under `config_for`'s Config with `overrides`: the kernel's time alone over weight copies that defeat
+    L2 (XLA profiler), then three profiled launches, each on another copy (the last one's buffer is analysed)."""
     key = jax.random.key(0)
     nbytes = bench.int4_bytes(k, n)
-    weights = bench.random_weights(key, k, n, bench.n_copies(nbytes))
+    weights = bench.random_weights(key, k, n, max(3, bench.n_copies(nbytes)))
     codes = [int4_ws.prepare_codes(w) for w in weights]
     x1 = jax.random.normal(jax.random.fold_in(key, 7), (1, k), jnp.float32).astype(jnp.bfloat16)
-    op = functools.partial(int4_ws.rows_matmul, live_rows=1)
-    _, kernel_s = bench.time_calls(op, x1, codes, repeats, kernel=True)
-    shipped = np.asarray(jax.jit(op)(x1, codes[0]))
-    cfg = int4_ws.config_for(k, n)
+    cfg = dataclasses.replace(int4_ws.config_for(k, n), **overrides)
     part = int4_ws.partition(k, n, cfg)
+    op = functools.partial(int4_ws.rows_matmul, config=cfg, live_rows=1)
+    _, kernel_s = bench.time_calls(op, x1, codes, repeats, kernel=True)
+    shipped = np.asarray(jax.jit(op)(x1, codes[-1]))
     raw: list = []
     with profiled(trace_dir, raw, REGIONS_PER_STEP * part.per_cta + 16):
         f = jax.jit(op)
-        for _ in range(3):  # the last launch's buffer is kept: warm caches, as in the timing
-            y = np.asarray(jax.block_until_ready(f(x1, codes[0])))
+        for w in codes[-3:]:  # the last launch's weights were not read by the two before it
+            y = np.asarray(jax.block_until_ready(f(x1, w)))
     result = dict(
         K=k,
         N=n,
         bytes=nbytes,
-        config=dict(wg_rows=cfg.wg_rows, ctas=part.ctas, steps_per_cta=part.per_cta),
+        config=dict(wg_rows=cfg.wg_rows, stages=cfg.stages, ctas=part.ctas, steps_per_cta=part.per_cta),
         kernel_us=None if kernel_s is None else kernel_s * 1e6,
-        profiled_bits_equal_shipped=bool(np.array_equal(y.view(np.uint32), shipped.view(np.uint32))),
+        profiled_bits_equal_unprofiled=bool(np.array_equal(y.view(np.uint32), shipped.view(np.uint32))),
     )
     result.update(analyse(raw[-1]) if raw else {"error": "the profiler wrote no buffer"})
     return result
@@ -207,6 +210,7 @@ def main():
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--shapes", default="qwen3.5/out,qwen3.5/down,qwen3.5/gate_up,synthetic")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", default="[{}]", help="JSON list of int4_ws.Config overrides of config_for's choice")
     args = ap.parse_args()
     if jax.default_backend() != "gpu":
         sys.exit("int4_phases.py profiles the Mosaic GPU kernel: it needs a GPU")
@@ -214,17 +218,26 @@ def main():
         "meta": dict(jax=jax.__version__, device=jax.devices()[0].device_kind, commit=args.commit, doc=__doc__),
         "results": {},
     }
+    variants = json.loads(args.variants)
+    clock = sm_clock_mhz()
     with tempfile.TemporaryDirectory() as trace_dir:
         for name in args.shapes.split(","):
-            try:
-                r = run_shape(*SHAPES[name], args.repeats, trace_dir)
-            except Exception as e:  # one shape's failure (smem, lowering) is recorded, the others still run
-                r = {"error": repr(e)[:2000]}
-            r["clock_mhz"] = sm_clock_mhz()
-            report["results"][name] = r
-            print(name, json.dumps(r), flush=True)
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=1)
+            for overrides in variants:
+                label = json.dumps(overrides)
+                try:
+                    r = run_shape(*SHAPES[name], args.repeats, trace_dir, overrides)
+                except Exception as e:  # one shape's failure (smem, lowering) is recorded, the others still run
+                    r = {"error": repr(e)[:2000]}
+                mhz = sm_clock_mhz().get("sm_now") or clock.get("sm_max")
+                if "median_cycles" in r and mhz:
+                    r["median_us_at_clock"] = {
+                        k: round(v / mhz, 3) for k, v in r["median_cycles"].items() if k != "steps"
+                    }
+                r["clock_mhz"] = mhz
+                report["results"].setdefault(name, {})[label] = r
+                print(name, label, json.dumps(r), flush=True)
+                with open(args.out, "w") as f:
+                    json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":
