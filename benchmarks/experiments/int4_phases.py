@@ -28,7 +28,6 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -41,6 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from int4_ab import SHAPES  # noqa: E402
 
+from jspec_bench.report import experiment_meta, gpu_sample  # noqa: E402
 from pallas_kernels import int4_ws  # noqa: E402
 
 REGIONS_PER_STEP = 11  # regions a warpgroup records a pipeline step: 8 conversions, 2 wgmma issues, 1 wait
@@ -162,18 +162,6 @@ def analyse(trace: dict) -> dict:
     return dict(warpgroups=len(out), median_cycles=med, cta_start_spread_ns=spread)
 
 
-def sm_clock_mhz() -> dict:
-    try:
-        q = "clocks.sm,clocks.max.sm"
-        line = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader,nounits"], capture_output=True, text=True
-        ).stdout.split("\n")[0]
-        now, top = (float(v) for v in line.split(","))
-        return {"sm_now": now, "sm_max": top}
-    except Exception as e:  # no nvidia-smi: the cycles stay cycles
-        return {"error": repr(e)[:200]}
-
-
 def run_shape(k: int, n: int, repeats: int, trace_dir: str, overrides: dict) -> dict:
     """One shape under `config_for`'s Config with `overrides`: the kernel's time alone over weight copies that defeat
     L2 (XLA profiler), then three profiled launches, each on another copy (the last one's buffer is analysed)."""
@@ -214,12 +202,8 @@ def main():
     args = ap.parse_args()
     if jax.default_backend() != "gpu":
         sys.exit("int4_phases.py profiles the Mosaic GPU kernel: it needs a GPU")
-    report = {
-        "meta": dict(jax=jax.__version__, device=jax.devices()[0].device_kind, commit=args.commit, doc=__doc__),
-        "results": {},
-    }
+    report = {"meta": experiment_meta(args.commit, doc=__doc__), "results": {}}
     variants = json.loads(args.variants)
-    clock = sm_clock_mhz()
     with tempfile.TemporaryDirectory() as trace_dir:
         for name in args.shapes.split(","):
             for overrides in variants:
@@ -228,12 +212,12 @@ def main():
                     r = run_shape(*SHAPES[name], args.repeats, trace_dir, overrides)
                 except Exception as e:  # one shape's failure (smem, lowering) is recorded, the others still run
                     r = {"error": repr(e)[:2000]}
-                mhz = sm_clock_mhz().get("sm_now") or clock.get("sm_max")
-                if "median_cycles" in r and mhz:
+                r["gpu"] = gpu_sample()  # the SM clock right after the launches turns their cycles into time
+                if "median_cycles" in r and "clocks.sm" in r["gpu"]:
+                    mhz = float(r["gpu"]["clocks.sm"])
                     r["median_us_at_clock"] = {
                         k: round(v / mhz, 3) for k, v in r["median_cycles"].items() if k != "steps"
                     }
-                r["clock_mhz"] = mhz
                 report["results"].setdefault(name, {})[label] = r
                 print(name, label, json.dumps(r), flush=True)
                 with open(args.out, "w") as f:

@@ -183,7 +183,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -218,7 +217,7 @@ from jspec.loop import (  # noqa: E402
 )
 from jspec.state import init_state  # noqa: E402
 from jspec.steps import prefill  # noqa: E402
-from jspec_bench.report import experiment_meta, save_experiment  # noqa: E402
+from jspec_bench.report import experiment_meta, gpu_sample, save_experiment  # noqa: E402
 from jspec_bench.roofline import _xla_sum_Bps  # noqa: E402
 from jspec_bench.shapes import copy_tree, model_config, random_int4_params, random_state  # noqa: E402
 from pallas_kernels import ROW_TILE  # noqa: E402
@@ -234,27 +233,11 @@ CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')  # in a compiled execu
 PHASE_MARK = "sustained_load phase: "  # written to stderr before each phase (`command_buffer_events`)
 GLOG_PREFIX = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ \S+\] ")  # "I1204 18:00:00.123456  1234 file.cc:12] "
 CHAIN_COLORS = {False: "tab:blue", True: "tab:green"}  # plot_runs: the shipped chain, the host-launched one
-SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
 def one_line(e: BaseException) -> str:
     """An error as the JSON records a fact of the machine: its type and message, cut to 200 characters."""
     return f"{type(e).__name__}: {e}"[:200]
-
-
-def gpu_sample() -> dict:
-    """The GPU's clocks, power, temperature and throttle reasons now (nvidia-smi), or the error."""
-    try:
-        line = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits", "-i", "0"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        return dict(zip(SMI_FIELDS.split(","), (v.strip() for v in line.split(",")), strict=True))
-    except Exception as e:  # a fact of the machine, not a failure of the run
-        return {"error": one_line(e)}
 
 
 CU_LIMITS = ("stack", "printf_fifo", "malloc_heap", "dev_runtime_sync_depth", "dev_runtime_pending_launches",

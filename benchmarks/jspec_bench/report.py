@@ -122,6 +122,25 @@ def experiment_meta(commit: str, **fields) -> dict:
     }
 
 
+SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+
+def gpu_sample() -> dict:
+    """An experiment's record of GPU 0's clocks, power, temperature and throttle reasons now (nvidia-smi), or the
+    error."""
+    try:
+        line = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        return dict(zip(SMI_FIELDS.split(","), (v.strip() for v in line.split(",")), strict=True))
+    except Exception as e:  # a fact of the machine, not a failure of the run
+        return {"error": f"{type(e).__name__}: {e}"[:200]}
+
+
 def bits_digest(tree) -> str:
     """An experiment's fingerprint of a pytree's bits: sha256 of every leaf's bytes, in tree order (first 16 hex
     digits)."""
