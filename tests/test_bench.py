@@ -195,6 +195,19 @@ def test_budget_skips_sections_with_the_reason(tmp_path):
     assert all(t["met"] is None for t in data["targets"])
 
 
+def test_int4_wide_min_steps_is_recorded_and_undone(tmp_path):
+    """--int4-wide-min-steps N (an A/B of `int4_ws.config_for`'s crossover) holds for the run only and is recorded."""
+    from jspec_bench.options import parse_args
+    from pallas_kernels import int4_ws
+
+    shipped = int4_ws.WIDE_MIN_STEPS
+    out = tmp_path / "r.json"
+    assert jspec_bench.main(["--quick", "--budget-s", "0", "--int4-wide-min-steps", "25", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["meta"]["int4_wide_min_steps"] == 25 and int4_ws.WIDE_MIN_STEPS == shipped
+    with pytest.raises(SystemExit, match="--int4-wide-min-steps 0: must be >= 1"):
+        parse_args(["--int4-wide-min-steps", "0"])
+
+
 def test_a_broken_speculative_path_fails_the_bench(tmp_path, monkeypatch):
     """Accepting every draft token (wrong tokens in the output) and perturbing verify's rows 1.. must both be caught."""
 

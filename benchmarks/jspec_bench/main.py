@@ -21,6 +21,7 @@ from jspec_bench.report import Context, Report, _meta
 from jspec_bench.sections import SECTION_FUNCS, SECTION_MIN_S
 from jspec_bench.summary import evaluate_targets, readme_table
 from jspec_bench.timing import Budget, CompileCounter, CompileEstimator
+from pallas_kernels import int4_ws
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     sections = [s for s in opts.sections if s != "peer" or opts.peer_hf]
     if "peer" in opts.sections and not opts.peer_hf:
         report.section("peer").update(status="skipped", reason="--peer-hf not given")
+    wide_min_steps = int4_ws.WIDE_MIN_STEPS
+    if opts.int4_wide_min_steps is not None:  # before anything compiles: `config_for` reads it at trace time
+        int4_ws.WIDE_MIN_STEPS = opts.int4_wide_min_steps
     try:
         for name in sections:
             sec = report.section(name)
@@ -73,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"not drawn: {e!r}; run `python -m jspec_bench --replot RESULTS.json --plots DIR`"
                 )
     finally:
+        int4_ws.WIDE_MIN_STEPS = wide_min_steps
         unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
         if unregister is not None:
             unregister(counter)

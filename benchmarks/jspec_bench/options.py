@@ -56,6 +56,7 @@ class Options:
     draft_model: str = "llama-3.2-1b"  # the draft_model section's drafter (a SHAPES name)
     draft_k: int = 4
     hybrid_steps: bool = True  # the hybrid section's step and recurrent-kernel measurements (False: its e2e alone)
+    int4_wide_min_steps: int | None = None  # A/B of `int4_ws.config_for`'s crossover (None: the library's)
 
     @property
     def prepare_arg(self) -> bool | None:
@@ -101,6 +102,12 @@ def parse_args(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
         action="store_true",
         help="hybrid: the last model's end-to-end runs alone, without its step measurements",
     )
+    ap.add_argument(
+        "--int4-wide-min-steps",
+        type=int,
+        metavar="N",
+        help="A/B only: int4 256-row tiles from N pipeline steps a CTA (default: int4_ws.WIDE_MIN_STEPS)",
+    )
     ap.add_argument("--readme-table", metavar="RESULTS.json", help="print the README markdown table of a results JSON")
     ap.add_argument("--replot", metavar="RESULTS.json", help="draw the plots of a results JSON into --plots")
     args = ap.parse_args(argv)
@@ -137,7 +144,7 @@ def parse_args(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
     if args.sections:
         opts.sections = _names(args.sections, SECTIONS, "--sections")
     fields = ("out", "plots", "budget_s", "commit", "k", "new_tokens", "repeats", "lm_head", "o_factor", "prepare",
-              "long_prompt", "sampling_temperature", "draft_model", "draft_k")  # fmt: skip
+              "long_prompt", "sampling_temperature", "draft_model", "draft_k", "int4_wide_min_steps")  # fmt: skip
     for field in (*fields, "compile_threads"):
         value = getattr(args, field)
         if value is not None:
@@ -168,6 +175,8 @@ def parse_args(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
     for k in (*opts.ks, *opts.other_ks, opts.k, opts.draft_k):
         if not 1 <= k <= ROW_TILE - 1:
             raise SystemExit(f"jspec bench: draft length k={k} out of range 1..{ROW_TILE - 1}")
+    if opts.int4_wide_min_steps is not None and opts.int4_wide_min_steps < 1:
+        raise SystemExit(f"jspec bench: --int4-wide-min-steps {opts.int4_wide_min_steps}: must be >= 1")
     if opts.compile_threads < 1 or opts.repeats < 1 or opts.new_tokens < 2:
         raise SystemExit("jspec bench: --compile-threads and --repeats must be >= 1, --new-tokens >= 2")
     return opts, args

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jspec.engine import compiler_options
-from pallas_kernels import get_backend
+from pallas_kernels import get_backend, int4_ws
 
 if TYPE_CHECKING:
     from jspec_bench.options import Options
@@ -174,6 +174,7 @@ def _meta(opts: Options, argv) -> dict:
         "python": platform.python_version(),
         "budget_s": opts.budget_s,
         "lm_head": opts.lm_head,
+        "int4_wide_min_steps": opts.int4_wide_min_steps or int4_ws.WIDE_MIN_STEPS,  # `int4_ws.config_for`'s crossover
         "options": dataclasses.asdict(opts),
         "references": REFERENCES,
     }
