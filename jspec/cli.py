@@ -49,8 +49,10 @@ def positive(lo: int = 1, hi: int | None = None):
 
 
 def read_prompt(args) -> str:
-    if args.prompt is not None:
-        return args.prompt
+    """The prompt's text: the positional PROMPT, --prompt or --prompt-file's contents (argparse lets one through)."""
+    for text in (args.prompt_text, args.prompt):
+        if text is not None:
+            return text
     path = Path(args.prompt_file)
     try:
         return path.read_text(encoding="utf-8")
@@ -305,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="jspec checkpoint or HuggingFace dir, or a bundled model: 'demo' (the default) or 'demo-hybrid'",
     )
     text = g.add_mutually_exclusive_group(required=True)
-    text.add_argument("--prompt")
+    text.add_argument("prompt_text", nargs="?", metavar="PROMPT", help="the prompt (or --prompt, or --prompt-file)")
+    text.add_argument("--prompt", help="the prompt, also where it starts with '-'")
     text.add_argument("--prompt-file")
     g.add_argument("--drafter", choices=DRAFTERS, default="prompt-lookup")
     g.add_argument(

@@ -237,6 +237,7 @@ CLI_CASES = {
     "k -1": (["--k", "-1"], "--k: must be in 1..15, got -1"),
     "k text": (["--k", "three"], "--k: expected an integer, got 'three'"),
     "two prompts": (["--prompt-file", "x.txt"], "--prompt-file: not allowed with argument --prompt"),
+    "positional and --prompt": (["def g():"], "PROMPT: not allowed with argument --prompt"),
     "max-len too short": (["--max-len", "8"], "exceeds --max-len 8"),
     "huge request": (["--max-new-tokens", "100000000000"], "needs .* GiB"),
     "mtp without a head": (["--checkpoint", "{no_mtp}", "--drafter", "mtp"], "needs a checkpoint with an MTP head"),
@@ -274,6 +275,18 @@ def test_cli_user_errors_are_one_line_with_status_2(bad_dirs, capsys, case):
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("jspec generate: error: ")
     assert re.search(message, err), err
+
+
+def test_cli_prompt_is_positional_or_an_option(capsys):
+    """`jspec generate "text"` is `jspec generate --prompt "text"`; with neither (nor --prompt-file) the error names
+    all three."""
+    outs = []
+    for argv in (["def add(a, b):"], ["--prompt", "def add(a, b):"]):
+        assert cli.main(["generate", *argv, "--max-new-tokens", "6", "--json"]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0]["prompt_tokens"] == outs[1]["prompt_tokens"] > 0 and outs[0]["tokens"] == outs[1]["tokens"]
+    assert cli.main(["generate", "--max-new-tokens", "6"]) == 2
+    assert "one of the arguments PROMPT --prompt --prompt-file is required" in capsys.readouterr().err
 
 
 def test_cli_prompt_file_errors_name_the_file(bad_dirs, capsys):
