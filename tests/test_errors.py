@@ -152,8 +152,11 @@ def test_generate_on_device_valid_request_has_no_error(engine):
 # ------------------------------------------------------------------------------- memory planned before use
 def test_an_engine_that_does_not_fit_raises_with_the_numbers(engine, monkeypatch):
     monkeypatch.setattr(memory, "free_bytes", lambda: (64 << 20, "free in this test"))
-    with pytest.raises(
-        memory.MemoryBudgetError, match=r"Engine\(max_len=1000000, float32, batch_size=1\) needs .* GiB.*KV cache"
+    with (
+        pytest.raises(
+            memory.MemoryBudgetError, match=r"Engine\(max_len=1000000, float32, batch_size=1\) needs .* GiB.*KV cache"
+        ),
+        pytest.warns(UserWarning, match="max_len 1000000 exceeds the model's max_position_embeddings"),
     ):
         jspec.Engine(engine.params, engine.cfg, max_len=1_000_000)
     jspec.Engine(engine.params, engine.cfg, max_len=1_000)  # a small one still fits
