@@ -215,8 +215,11 @@ def partition(k: int, n: int, cfg: Config) -> Partition:
     return Partition(tiles, steps, max(1, min(ctas, tiles * steps // cfg.min_steps)))
 
 
-# Wide tiles (`config_for`): the fewest 128-row pipeline steps per CTA from which 256-row tiles pay on the H200.
-WIDE_MIN_STEPS = 24
+# Wide tiles (`config_for`): the fewest 128-row pipeline steps per CTA from which 256-row tiles pay. 24 on the H200
+# with the 16-row consumer; 25 since the 8-row one, whose 256-row tiles lost at exactly 24 steps (the Qwen3.5 gate_up)
+# on the H100: 7% on the kernel alone, the step's int4 kernels 2.11 -> 2.05-2.06 ms in an A/B run in both orders
+# (docs/kernels.md). Untimed on the H200 since: `jspec bench --int4-wide-min-steps 24` is that A/B.
+WIDE_MIN_STEPS = 25
 # One CTA per wide tile where the tiles fill their waves of SMs at least this much (Llama-3-8B gate_up 85%, lm_head
 # 95%: B = 64 +3.2% tokens/s, B = 1 unchanged); emptier waves cost a whole wave's time (`config_for`).
 WAVE_FILL_MIN = 0.8
@@ -226,9 +229,9 @@ def config_for(k: int, n: int) -> Config:
     """The Config `rows_matmul` uses for a [K (stored), N] weight, a function of the shape and the SM count only:
     256-row tiles (two warpgroups of 128 rows: one x tile and one pipeline step per 36 KB of weights instead of 18)
     where they fit N and the default 128-row tiles give each CTA at least WIDE_MIN_STEPS steps; else the default.
-    Kernel alone on the H200 (docs/kernels.md) a 256-row step costs ~0.93x two 128-row steps: 1.5-10% faster on
-    every lm_head and gate_up of the bench shapes; 7-33% slower on their qkv, o and down (4-17 steps per CTA),
-    where the wider tiles' longer ramp and coarser units cost more than the steps save.
+    Kernel alone on the H200 with the 16-row consumer (docs/kernels.md) a 256-row step cost ~0.93x two 128-row
+    steps: 1.5-10% faster on every lm_head and gate_up of the bench shapes; 7-33% slower on their qkv, o and down
+    (4-17 steps per CTA), where the wider tiles' longer ramp and coarser units cost more than the steps save.
     The wide tiles run one CTA per tile (no stream-K partials to sum; several waves of CTAs) where the tiles fill
     their waves of SMs to WAVE_FILL_MIN, else the stream-K partition (one CTA per SM). One CTA per tile: the
     Llama-3-8B gate_up 35.1 against 40.2 us at 64 rows, the lm_head 140.8 against 155.5

@@ -200,10 +200,10 @@ def test_int4_wide_min_steps_is_recorded_and_undone(tmp_path):
     from jspec_bench.options import parse_args
     from pallas_kernels import int4_ws
 
-    shipped = int4_ws.WIDE_MIN_STEPS
+    shipped, other = int4_ws.WIDE_MIN_STEPS, int4_ws.WIDE_MIN_STEPS + 1
     out = tmp_path / "r.json"
-    assert jspec_bench.main(["--quick", "--budget-s", "0", "--int4-wide-min-steps", "25", "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["meta"]["int4_wide_min_steps"] == 25 and int4_ws.WIDE_MIN_STEPS == shipped
+    assert jspec_bench.main(["--quick", "--budget-s", "0", "--int4-wide-min-steps", str(other), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["meta"]["int4_wide_min_steps"] == other and int4_ws.WIDE_MIN_STEPS == shipped
     with pytest.raises(SystemExit, match="--int4-wide-min-steps 0: must be >= 1"):
         parse_args(["--int4-wide-min-steps", "0"])
 
