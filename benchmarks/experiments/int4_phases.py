@@ -15,7 +15,7 @@ the `tail` after the last one to the outer region's end, its `span`; the spread 
 (globaltimer); and the kernel's time alone (unprofiled) against that span: what the launch costs outside it.
 
     python3 benchmarks/experiments/int4_phases.py --out $OUT/int4_phases_h100.json --commit <sha> \\
-        [--shapes qwen3.5/out,qwen3.5/down,qwen3.5/gate_up,synthetic] [--variants '[{}, {"wg_rows": 64}]']
+        [--shapes qwen3.5/out,qwen3.5/down,qwen3.5/gate_up,synthetic] [--overrides '[{}, {"wg_rows": 64}]']
 """
 
 from __future__ import annotations
@@ -198,12 +198,17 @@ def main():
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--shapes", default="qwen3.5/out,qwen3.5/down,qwen3.5/gate_up,synthetic")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--variants", default="[{}]", help="JSON list of int4_ws.Config overrides of config_for's choice")
+    ap.add_argument(
+        "--overrides",
+        default="[{}]",
+        help="JSON list of int4_ws.Config overrides of config_for's choice, one profiled kernel each (int4_ab.py's "
+        "--variants override Config() instead)",
+    )
     args = ap.parse_args()
     if jax.default_backend() != "gpu":
         sys.exit("int4_phases.py profiles the Mosaic GPU kernel: it needs a GPU")
     report = {"meta": experiment_meta(args.commit, doc=__doc__), "results": {}}
-    variants = json.loads(args.variants)
+    variants = json.loads(args.overrides)
     with tempfile.TemporaryDirectory() as trace_dir:
         for name in args.shapes.split(","):
             for overrides in variants:
