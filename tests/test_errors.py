@@ -182,7 +182,7 @@ def broken_checkpoints(tmp_path_factory):
     """Copies of the demo checkpoint, each broken one way: (dir, the message expected)."""
     root = tmp_path_factory.mktemp("broken")
     cases = {}
-    for how in ("deleted", "truncated", "reshaped"):
+    for how in ("deleted", "truncated", "reshaped", "index", "metadata"):
         d = root / how
         shutil.copytree(checkpoints.demo_dir(), d)
         data = max((d / "params" / "ocdbt.process_0" / "d").iterdir(), key=lambda f: f.stat().st_size)
@@ -190,6 +190,10 @@ def broken_checkpoints(tmp_path_factory):
             data.unlink()
         elif how == "truncated":
             os.truncate(data, 1000)
+        elif how == "index":  # the B+tree node that lists the arrays' data
+            next((d / "params" / "d").iterdir()).unlink()
+        elif how == "metadata":
+            os.truncate(d / "params" / "_METADATA", 5)
         else:
             meta = json.loads((d / "jspec.json").read_text())
             meta["tree"]["dict"]["embed"]["shape"] = [3, 8192, 512]
@@ -198,11 +202,69 @@ def broken_checkpoints(tmp_path_factory):
     return cases
 
 
-@pytest.mark.parametrize("how", ["deleted", "truncated", "reshaped"])
+BROKEN = {
+    "deleted": "cannot read array 'params.embed': its data file .* is missing",
+    "truncated": r"cannot read array 'params.embed': its data file .* is truncated \(1000 bytes; the data ends at byte",
+    "reshaped": "says array 'params.embed' is float32",
+    "index": "cannot read the orbax index: its data file .* is missing",
+    "metadata": "cannot read the orbax metadata",
+}
+
+
+@pytest.mark.parametrize("how", list(BROKEN))
 def test_a_broken_jspec_checkpoint_names_the_array(broken_checkpoints, how):
-    message = "says array 'params.embed' is float32" if how == "reshaped" else "cannot read array 'params.embed'"
-    with pytest.raises(checkpoints.CheckpointError, match=message):
+    with pytest.raises(checkpoints.CheckpointError, match=BROKEN[how]):
         checkpoints.load(broken_checkpoints[how])
+
+
+def test_the_data_file_check_walks_a_b_tree_of_several_levels(tmp_path):
+    """orbax's checkpoints hold one B+tree leaf; OCDBT stores of many keys or small nodes have interior levels, and
+    the check follows them to every value: a data file cut short is found below the root."""
+    import tensorstore as ts
+
+    from checkpoints import store
+
+    spec = dict(
+        driver="ocdbt", base=f"file://{tmp_path}/", config=dict(max_decoded_node_bytes=256, max_inline_value_bytes=16)
+    )
+    kv = ts.KvStore.open(spec).result()
+    for keys in ([f"a{i:03d}/0" for i in range(64)], ["b/0"]):  # two commits: two data files
+        with ts.Transaction() as txn:
+            for key in keys:
+                kv.with_transaction(txn)[key] = bytes(100)
+    manifest = ts.ocdbt.dump(ts.KvStore.open(f"file://{tmp_path}/").result()).result()
+    assert manifest["versions"][-1]["root_height"] > 0
+    store._check_data_files(str(tmp_path))  # whole: passes
+    first = max((tmp_path / "d").iterdir(), key=lambda f: f.stat().st_size)  # the 64 values of the first commit
+    os.truncate(first, 3000)
+    message = r"cannot read (array 'a\d{3}'|the orbax index): .* truncated"
+    with pytest.raises(checkpoints.CheckpointError, match=message):
+        store._check_data_files(str(tmp_path))
+
+
+def test_a_broken_checkpoint_prints_its_one_error_and_nothing_after(broken_checkpoints):
+    """A restore that fails on one array leaves orbax's reads of the others running on an event loop it has closed:
+    their tracebacks used to print after the one-line error, 10-3000 lines of them, some at exit, some at a garbage
+    collection long after. `load` checks the data files before any read, so nothing follows the error; in a fresh
+    process (the noise is timing-dependent and outlives the call), through the API and through the CLI."""
+    script = (
+        "import gc, sys, time, checkpoints\n"
+        "for d in sys.argv[1:]:\n"
+        "    try:\n"
+        "        checkpoints.load(d)\n"
+        "    except checkpoints.CheckpointError as e:\n"
+        "        print(e)\n"
+        "gc.collect(); time.sleep(1.0); gc.collect()\n"
+    )
+    dirs = [str(broken_checkpoints[how]) for how in ("deleted", "truncated", "index")]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    api = subprocess.run([sys.executable, "-c", script, *dirs], capture_output=True, text=True, timeout=300, env=env)
+    assert api.returncode == 0 and api.stderr == "", api.stderr[-2000:]
+    assert api.stdout.count("cannot read") == 3, api.stdout
+    argv = [sys.executable, "-m", "jspec", "generate", "--checkpoint", dirs[1], "--prompt", "def f():"]
+    cli_run = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert cli_run.returncode == 2 and cli_run.stderr.count("\n") == 1, cli_run.stderr[-2000:]
+    assert "cannot read array 'params.embed'" in cli_run.stderr
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
