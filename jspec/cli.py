@@ -112,10 +112,8 @@ def _drafter(args, draft_path: str | None, model, prompt: list[int]):
 def _plan(args, path: str):
     """Everything about a generate request that can be known before the weights load: (cfg, tokenizer, prompt
     ids, max_len). Raises for a request that cannot run."""
-    from tokenizers import Tokenizer
-
     from jspec.memory import check_fits, tree_bytes
-    from jspec.model import checkpoint_config
+    from jspec.model import checkpoint_config, read_tokenizer
     from jspec.state import init_state
 
     cfg = checkpoint_config(path)
@@ -131,7 +129,7 @@ def _plan(args, path: str):
     file = Path(path) / "tokenizer.json"
     if not file.exists():
         raise CliError(f"no tokenizer.json in {path} (needed to turn text into tokens)")
-    tokenizer = Tokenizer.from_file(str(file))
+    tokenizer = read_tokenizer(file)
     prompt = tokenizer.encode(read_prompt(args)).ids
     if not prompt:
         raise CliError("the prompt encodes to zero tokens")

@@ -133,6 +133,8 @@ class ModelConfig:
                     config = json.load(f)
             except OSError as e:
                 raise FileNotFoundError(f"cannot read HuggingFace config {path!r}: {e}") from e
+            except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+                raise ValueError(f"cannot read HuggingFace config {path!r}: not JSON ({e})") from e
         if "text_config" in config and config.get("model_type") == "qwen3_5":
             config = {**config["text_config"], "model_type": "qwen3_5_text"}
         model_type = config.get("model_type")

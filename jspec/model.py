@@ -243,9 +243,16 @@ def load(
         params, cfg = ckpt.load(root, mesh=mesh)
     else:
         params, cfg = ckpt.load_hf(root, dtype=dtype or "bfloat16", quantize=quantize, mesh=mesh)
-    tokenizer = None
-    if (root / "tokenizer.json").exists():
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+    tokenizer = read_tokenizer(root / "tokenizer.json") if (root / "tokenizer.json").exists() else None
     return Model(params, cfg, tokenizer, os.fspath(root), mesh)
+
+
+def read_tokenizer(file: str | os.PathLike):
+    """A tokenizer.json -> `tokenizers.Tokenizer`; a file it cannot parse raises ValueError naming the file (the
+    tokenizers library raises a bare Exception that names none)."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(os.fspath(file))
+    except Exception as e:
+        raise ValueError(f"cannot read tokenizer {os.fspath(file)}: {e}") from e

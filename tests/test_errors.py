@@ -278,13 +278,18 @@ def bad_dirs(tmp_path_factory, broken_checkpoints):
         "config_only": {},
         "pickle_only": {"pytorch_model.bin": b""},
         "missing_shard": {"model.safetensors.index.json": b'{"weight_map": {"a": "model-00001.safetensors"}}'},
+        "bad_json": {},
     }.items():
         d = root / name
         d.mkdir()
-        (d / "config.json").write_text(json.dumps(config))
+        (d / "config.json").write_text("{model_type: qwen2" if name == "bad_json" else json.dumps(config))
         for file, data in files.items():
             (d / file).write_bytes(data)
         dirs[name] = d
+    (root / "bad_tokenizer").mkdir()  # jspec.json is all a request reads before the tokenizer
+    shutil.copy(os.path.join(checkpoints.demo_dir(), "jspec.json"), root / "bad_tokenizer")
+    (root / "bad_tokenizer" / "tokenizer.json").write_text("{oops")
+    dirs["bad_tokenizer"] = root / "bad_tokenizer"
     build_tiny_hf_model("qwen2", root / "no_mtp")
     dirs["no_mtp"] = root / "no_mtp"
     (root / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
@@ -316,6 +321,11 @@ CLI_CASES = {
     "pickle only": (["--checkpoint", "{pickle_only}"], "only pickle weights"),
     "missing shard": (["--checkpoint", "{missing_shard}"], "model-00001.safetensors listed in .* does not exist"),
     "not a checkpoint": (["--checkpoint", "{root}"], "neither jspec.json .* nor config.json"),
+    "tokenizer not JSON": (["--checkpoint", "{bad_tokenizer}"], "cannot read tokenizer .*bad_tokenizer/tokenizer.json"),
+    "config not JSON": (
+        ["--checkpoint", "{bad_json}"],
+        "cannot read HuggingFace config '.*bad_json/config.json': not JSON",
+    ),
     "broken jspec checkpoint": (["--checkpoint", "{truncated}"], "cannot read array 'params.embed'"),
     "quantize a jspec checkpoint": (["--quantize", "int4"], "apply to HuggingFace checkpoints"),
     "draft model, no checkpoint": (
