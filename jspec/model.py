@@ -203,7 +203,8 @@ def checkpoint_kind(root: str | os.PathLike) -> str:
     """ "jspec" (jspec.json inside) or "hf" (config.json inside); raises for a directory holding neither."""
     root = Path(root)
     if not root.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {os.fspath(root)!r} does not exist")
+        state = "is a file, not a directory" if root.exists() else "does not exist"
+        raise FileNotFoundError(f"checkpoint directory {os.fspath(root)!r} {state}")
     if (root / "jspec.json").exists():
         return "jspec"
     if (root / "config.json").exists():

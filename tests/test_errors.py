@@ -321,6 +321,7 @@ CLI_CASES = {
     "pickle only": (["--checkpoint", "{pickle_only}"], "only pickle weights"),
     "missing shard": (["--checkpoint", "{missing_shard}"], "model-00001.safetensors listed in .* does not exist"),
     "not a checkpoint": (["--checkpoint", "{root}"], "neither jspec.json .* nor config.json"),
+    "a file, not a checkpoint": (["--checkpoint", "{root}/latin1.txt"], "latin1.txt' is a file, not a directory"),
     "tokenizer not JSON": (["--checkpoint", "{bad_tokenizer}"], "cannot read tokenizer .*bad_tokenizer/tokenizer.json"),
     "config not JSON": (
         ["--checkpoint", "{bad_json}"],
