@@ -19,6 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from jspec import checks
 from jspec.config import ModelConfig
 from jspec.engine import Engine, GenerationResult
 from jspec.stats import BatchStats, SpecStats
@@ -103,6 +104,12 @@ class Model:
     def decode(self, tokens: Sequence[int]) -> str:
         return self._need_tokenizer().decode(list(tokens))
 
+    def _prompt_ids(self, prompt: str | Sequence[int], name: str = "prompt") -> list[int]:
+        """Text (encoded) or token ids (checked: `jspec.checks.token_ids`) -> the prompt's token ids."""
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        return checks.token_ids(prompt, name, self.cfg.vocab_size).tolist()
+
     @property
     def eos_ids(self) -> tuple[int, ...]:
         """The model's EOS ids: the config's, else the tokenizer's usual end-of-text token."""
@@ -130,7 +137,9 @@ class Model:
         batch_size at a time (`Engine.generate_batch`: each sequence's tokens are those `generate` gives it alone).
         Options: drafter, gate, sampler (one or one per prompt), k (default 4), max_len (default: the longest
         prompt + max_new_tokens, rounded up), eos_id (default: `eos_ids`), progress, rounds_per_call."""
-        ids = [self.encode(p) if isinstance(p, str) else p for p in prompts]
+        if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a list of texts or token-id lists, got {type(prompts).__name__}")
+        ids = [self._prompt_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         k = options.pop("k", 4)
         max_len = options.pop("max_len", None)
         options.setdefault("eos_id", self.eos_ids)
@@ -154,7 +163,7 @@ class Model:
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 128, **options) -> Iterator[str]:
         """`generate` as a generator: yields the new text piece by piece as tokens commit (a piece is held back
         while it ends inside a multi-byte character) and returns the TextResult (StopIteration.value)."""
-        ids = self.encode(prompt) if isinstance(prompt, str) else prompt
+        ids = self._prompt_ids(prompt)
         k = options.pop("k", 4)
         max_len = options.pop("max_len", None)
         options.setdefault("eos_id", self.eos_ids)

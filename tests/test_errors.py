@@ -162,6 +162,23 @@ def test_an_engine_that_does_not_fit_raises_with_the_numbers(engine, monkeypatch
     jspec.Engine(engine.params, engine.cfg, max_len=1_000)  # a small one still fits
 
 
+def test_the_text_api_checks_prompts_before_anything_runs():
+    """`Model.generate` / `stream` / `generate_batch` take text or token ids; anything else is refused naming the
+    prompt (and its index in a batch) before an Engine is built."""
+    model = jspec.load()
+    vocab = model.cfg.vocab_size
+    for call, message in (
+        (lambda: model.generate(None, 2), "prompt must be a sequence of token ids, got NoneType"),
+        (lambda: model.generate([1, 2.5], 2), "prompt must hold integer token ids"),
+        (lambda: list(model.stream([vocab], 2)), f"prompt: token id {vocab} at index 0 is out of range"),
+        (lambda: model.generate_batch(["def f():", None], 2), r"prompts\[1\] must be a sequence of token ids"),
+        (lambda: model.generate_batch("def f():", 2), "prompts must be a list of texts or token-id lists, got str"),
+    ):
+        with pytest.raises((TypeError, ValueError), match=message):
+            call()
+    assert model._engine is None
+
+
 # ---------------------------------------------------------------------------------- checkpoints and loading
 @pytest.mark.parametrize("quantize", [None, "int4"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
