@@ -101,7 +101,9 @@ def _check_stored(checkpointer, params_dir: str, target: dict, meta_path: str) -
     except Exception as e:
         raise CheckpointError(f"{params_dir}: cannot read the orbax metadata: {str(e).splitlines()[0][:200]}") from e
     if stored is None:  # orbax logs a warning and returns None where its _METADATA or _sharding file is damaged
-        raise CheckpointError(f"{params_dir}: cannot read the orbax metadata: a missing or damaged _METADATA file")
+        raise CheckpointError(
+            f"{params_dir}: cannot read the orbax metadata: its _METADATA or _sharding file is missing or damaged"
+        )
     for name, spec in target.items():
         if name not in stored:
             raise CheckpointError(f"{meta_path} lists array {name!r}, which {params_dir} does not hold")
