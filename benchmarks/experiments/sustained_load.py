@@ -31,7 +31,9 @@ reasons (`nvidia-smi`):
   heads, compiled with a MODE's options, or one part of it alone: "trsm" (its triangular solve), "einsum" /
   "einsum_default" (its float32 q k^T products, HIGHEST / default precision), "scan" (its chunk loop's state
   updates), "cumexp" (its decays), "parts" (those four, one executable each, one after another); "kernels:N": N
-  small executables of one elementwise kernel each (N distinct kernels loaded); "gemm[:MODE]": a bf16 dot;
+  small executables of one elementwise kernel each (N distinct kernels loaded); "torchgraph:N": a torch CUDA graph
+  of N tiny kernels captured, instantiated and replayed once in the same CUDA context (`torch_graph_once`: many
+  graph nodes alive, none of them XLA's); "gemm[:MODE]": a bf16 dot;
   "stepprof": the decode step's kernels, profiled (`device_loop_profile.step_profiler`); "stepstate:STATE[:prof]": the
   bare chain (and, with ":prof", the step's kernels) on a state made as STATE says (prefilled, start, random, zeros,
   a mix: `step_state`), to tell a real prefill's data from the process; "d2h:WHAT": arrays made on
@@ -484,6 +486,29 @@ def distinct_kernels_once(n: int) -> list:
     return runs
 
 
+def torch_graph_once(nodes: int) -> tuple:
+    """A torch CUDA graph of `nodes` kernels (an in-place add on 256 floats each), captured, instantiated and
+    replayed once in this process's CUDA context (torch and XLA share the device's primary context): many graph
+    nodes alive with no XLA executable among them. (The graph, its tensor)."""
+    import torch
+
+    x = torch.zeros(256, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        x.add_(1)  # torch's kernel loaded before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(nodes):
+            x.add_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    if int(x[0].item()) != nodes + 1:
+        raise RuntimeError(f"the torch graph ran {int(x[0].item()) - 1} of its {nodes} kernels")
+    return graph, x
+
+
 def mark_phase(label: str) -> None:
     """Write the phase's marker line to stderr, where XLA's log lines go, so `command_buffer_events` can tell the
     phases apart."""
@@ -817,6 +842,7 @@ PHASE_RUNNERS = {  # kind -> runner(session, the phase's argument) -> what the p
     "gdn": timed(lambda s, mode: chunked_recurrence_once(s.cfg, mode)),
     "gemm": timed(lambda s, mode: gemm_once(mode)),
     "kernels": timed(lambda s, n: distinct_kernels_once(int(n))),
+    "torchgraph": timed(lambda s, n: torch_graph_once(int(n))),
     "stepprof": phase_stepprof,
     "stepstate": phase_stepstate,
     "alloc": phase_alloc,
