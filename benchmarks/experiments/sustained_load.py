@@ -23,7 +23,8 @@ reasons (`nvidia-smi`):
 - "prefill:MODE": `jspec.steps.prefill` as its own executable: "compile" only, or run "shipped", "host_while" (no
   WHILE / CONDITIONAL graphs), "no_graphs", "no_blas_graphs" (cuBLAS / cuBLASLt calls outside the graphs).
 - "otherchain:LABEL": another chain (`chain_walls` labels: 1-nested, 1-internal) compiled and run.
-- "stack:B": the context's stack per GPU thread set to B bytes (`cuCtxSetLimit`); "cacheconfig:C": its cache
+- "stack:B": the context's stack per GPU thread set to B bytes (`cuCtxSetLimit`); "pending:N": its device runtime's
+  pending-launch limit set to N launches (`CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT`); "cacheconfig:C": its cache
   configuration set to C (`cuCtxSetCacheConfig`); every phase records the context's limits, cache and shared-memory
   configurations, flags and free memory (`context_sample`).
 - "attn": one prefill chunk's attention kernel (a static start); "dqgemm": a 128-row product with each int4 weight
@@ -292,11 +293,12 @@ def context_sample() -> dict:
 
 def set_context(what: str, value: int) -> None:
     """On the primary context: what "stack", cuCtxSetLimit(CU_LIMIT_STACK_SIZE, value bytes) (waits for the
-    device's work); "cache", cuCtxSetCacheConfig(value) (CUfunc_cache, `context_sample`)."""
+    device's work); "dev_runtime_pending_launches", that limit (launches); "cache", cuCtxSetCacheConfig(value)
+    (CUfunc_cache, `context_sample`)."""
 
     def set_it(cuda) -> None:
-        if what == "stack":
-            _cuda_call(cuda, cuda.cuCtxSetLimit(0, ctypes.c_size_t(value)), "cuCtxSetLimit")
+        if what in CU_LIMITS:
+            _cuda_call(cuda, cuda.cuCtxSetLimit(CU_LIMITS.index(what), ctypes.c_size_t(value)), "cuCtxSetLimit")
         else:
             _cuda_call(cuda, cuda.cuCtxSetCacheConfig(value), "cuCtxSetCacheConfig")
 
@@ -848,6 +850,7 @@ PHASE_RUNNERS = {  # kind -> runner(session, the phase's argument) -> what the p
     "alloc": phase_alloc,
     "d2h": phase_d2h,
     "stack": phase_context("stack"),
+    "pending": phase_context("dev_runtime_pending_launches"),
     "cacheconfig": phase_context("cache"),
 }
 
