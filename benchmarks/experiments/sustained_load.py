@@ -153,6 +153,17 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   for the residual add and the RMSNorm after it (docs/performance.md; since reverted) against XLA's two fusions:
   the chain 2.52-2.54 / 2.51-2.52 / 2.58-2.59 ms a step, the step's kernels 2716 / 2669 / 2743 us in 389 / 451 /
   389 launches, a generation's token 2.689 / 2.670-2.694 / 2.703-2.733 ms.
+- sustained_load_torchgraph{,_nodes,_live,_pending}_qwen35_h100.json (edbdc77, 2642620; an H100, each a fresh
+  process, its phases in its meta): the state without XLA. A torch CUDA graph of 4000 tiny kernels leaves the chain
+  at 2.76 ms a step, one of 40000 takes it to 2.95 (the Engine's generation after it 2.95 a token); 8000 nodes
+  leave it at 2.76, a second graph of 8000 takes it to 2.96, and so it does with the first destroyed before the
+  second is captured: the count is cumulative, not the live one, somewhere in 8000-16000 kernel nodes of a process's
+  life, and destroying every graph leaves the process in the state. Raising the device runtime's pending-launch
+  limit to 65536 first changes nothing. sustained_load_gentime_{generate_on_device_shipped,split_shipped_shipped,
+  split_no_graphs_shipped}_3_qwen35_h100.json (edbdc77; chain:3,gentime:...,chain:3): each generation executable,
+  destroyed after its phase, runs 2.93-2.96 ms a token (one executable; the split; the split with its prefill outside
+  graphs) while the chain after it stays 2.77, so a generation's own excess over the chain is there with or without
+  the process state.
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
     P=chain:1,+genpart:generate_on_device:shipped:2,chain:1   # or :no_graphs:3, :host_while:3, unchecked:shipped:2
