@@ -164,6 +164,17 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   destroyed after its phase, runs 2.93-2.96 ms a token (one executable; the split; the split with its prefill outside
   graphs) while the chain after it stays 2.77, so a generation's own excess over the chain is there with or without
   the process state.
+- sustained_load_gentime_parts_fresh_qwen35_h100.json (3a9530f), sustained_load_gentime_splitrest_qwen35_h100.json,
+  sustained_load_stepstate_fresh_qwen35_h100.json (d4a237d; an H100, each a fresh process): where the generation's
+  ~7% goes, first in a process that stays fast (the chain 2.73-2.77 ms a step before and after). Decode steps
+  started from `start_loop` (no prefill: position 0 up) run at the chain's speed, bare ("steps" 2.72-2.74 ms a
+  token) or as rounds ("rounds" 2.72-2.74); after a real prefill of the 320-token prompt in the same executable they
+  do not ("prefill_steps" 2.92-2.97, "prefill_rounds" 2.95-2.98). Not the prefill having just run: the split with the
+  prefill awaited and 1 s of idle before the rounds ("splitrest") 2.94-2.96, the split without 2.95-2.97. Not the
+  prefill's data: the bare chain's executable on the real prefill's state at position 320 runs 2.73-2.75 ms a step,
+  on a random one 2.72-2.76. What is left between them: the executable (the generation's parts against the chain's)
+  and the position the loop starts at, 0 against 320; not measured apart here. Profiling the step then entered the
+  process state (every run after it 2.89-2.98).
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
     P=chain:1,+genpart:generate_on_device:shipped:2,chain:1   # or :no_graphs:3, :host_while:3, unchecked:shipped:2
