@@ -398,9 +398,10 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str, 
     first round), "prefill_rounds" (prefill_round, then the n rounds: the generation without its request check),
     "generate_on_device" (the whole generation jitted here, not by the Engine), "unchecked" (it without its request
     check: no `lax.cond` around its loops), "steps" and "prefill_steps" (start_loop or prefill_round, then the bare
-    chain's body on the Loop's state: decode_step, argmax, commit, none of a round's bookkeeping). The rounds and
-    steps run the request's max_new times (a runtime value, so `phase_gentime` can time them per token; a
-    static n at 1949890 and before). hlo_dir: where its optimized HLO goes (PART_MODE.hlo.txt.gz), if given."""
+    chain's body on the Loop's state: decode_step, argmax, commit, none of a round's bookkeeping), "steps_at" (the
+    steps from start_loop's Loop moved to the prompt's end, no prefill: the prefilled position, an empty cache).
+    The rounds and steps run the request's max_new times (a runtime value, so `phase_gentime` can time them per
+    token; a static n at 1949890 and before). hlo_dir: where its optimized HLO goes (PART_MODE.hlo.txt.gz), if given."""
     part, _, rest = spec.partition(":")
     mode, _, runs = rest.partition(":")
     cfg, settings = engine.cfg, engine.settings()
@@ -416,6 +417,9 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str, 
     def steps(params, loop, trips):  # the bare chain's body on the Loop's state
         body = lambda c: (bare_step(params, cfg, c[0]), c[1] + 1)  # noqa: E731
         return jax.lax.while_loop(lambda c: c[1] < trips, body, (loop.state, 0))[0]
+
+    def at_prompt_end(loop):  # start_loop's Loop moved to the prompt's end, its cache left empty (no prefill)
+        return dataclasses.replace(loop, state=dataclasses.replace(loop.state, position=loop.prompt_len))
 
     def prefilled(params, *request):
         return prefill_round(params, cfg, settings, *request)
@@ -434,6 +438,7 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str, 
         "prefill_rounds": lambda params, *request: rounds(params, prefilled(params, *request), request[2]),
         "steps": lambda params, *request: steps(params, start(params, *request), request[2]),
         "prefill_steps": lambda params, *request: steps(params, prefilled(params, *request), request[2]),
+        "steps_at": lambda params, *request: steps(params, at_prompt_end(start(params, *request)), request[2]),
         "generate_on_device": whole,
         "unchecked": unchecked,
     }[part]
@@ -689,7 +694,7 @@ def split_rounds(engine: Engine, loop, mode: str, hlo_dir: str | None):
     return run
 
 
-GENTIME_PARTS = ("generate_on_device", "unchecked", "rounds", "prefill_rounds", "steps", "prefill_steps")
+GENTIME_PARTS = ("generate_on_device", "unchecked", "rounds", "prefill_rounds", "steps", "prefill_steps", "steps_at")
 
 
 def phase_gentime(s: Session, spec: str) -> dict:
