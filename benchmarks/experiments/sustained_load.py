@@ -702,15 +702,16 @@ def phase_gentime(s: Session, spec: str) -> dict:
     request's max_new: generate_on_device, unchecked, rounds, prefill_rounds, steps, prefill_steps; run twice so its
     graphs are recorded; or "split": prefill_round's executable, then `split_rounds` on its Loop, MODE
     "PREFILL_MODE/ROUNDS_MODE" for one mode each; "splitrest": the split with the prefill awaited and 1 s of idle
-    before the rounds, which cancels in the timing below) timed as
+    before the rounds, which cancels in the timing below; "splitcopy": the split with every array of the prefill's
+    Loop copied into a new buffer before the rounds) timed as
     `phase_generate` times the Engine's: ms a token over --new-tokens minus 1, REPEATS times (default 3); destroyed
     after."""
     part, _, rest = spec.partition(":")
     mode, _, repeats = rest.partition(":")
-    if part not in (*GENTIME_PARTS, "split", "splitrest"):
-        raise ValueError(f"gentime times one of {', '.join(GENTIME_PARTS)}, split or splitrest, not {part!r}")
+    if part not in (*GENTIME_PARTS, "split", "splitrest", "splitcopy"):
+        raise ValueError(f"gentime times one of {', '.join(GENTIME_PARTS)}, split(rest|copy), not {part!r}")
     prompt, length, _, eos = s.engine.request(s.prompt, s.n, ()).loop_args(s.engine.max_len)
-    if part in ("split", "splitrest"):  # prefill_round's executable, then the rounds' own on its Loop: two calls
+    if part in ("split", "splitrest", "splitcopy"):  # prefill_round's executable, then the rounds': two calls
         prefill_mode, _, rounds_mode = mode.partition("/")  # "PREFILL_MODE/ROUNDS_MODE", or one MODE for both
         first = generation_part_once(s.engine, s.prompt, s.n, f"prefill_round:{prefill_mode}:2", s.opts.hlo_dir)
         loop = first(s.engine.params, prompt, length, np.int32(s.n), eos)
@@ -721,6 +722,8 @@ def phase_gentime(s: Session, spec: str) -> dict:
             if part == "splitrest":
                 jax.block_until_ready(loop)
                 time.sleep(1.0)
+            if part == "splitcopy":  # every array of the Loop copied into a new buffer first
+                loop = jax.tree.map(jnp.copy, loop)
             return rounds(params, loop)
 
     else:
