@@ -173,8 +173,14 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   prefill awaited and 1 s of idle before the rounds ("splitrest") 2.94-2.96, the split without 2.95-2.97. Not the
   prefill's data: the bare chain's executable on the real prefill's state at position 320 runs 2.73-2.75 ms a step,
   on a random one 2.72-2.76. What is left between them: the executable (the generation's parts against the chain's)
-  and the position the loop starts at, 0 against 320; not measured apart here. Profiling the step then entered the
-  process state (every run after it 2.89-2.98).
+  and the position the loop starts at, 0 against 320. Profiling the step then entered the process state (every run
+  after it 2.89-2.98). sustained_load_gentime_steps_at_qwen35_h100.json (1397cdf) and
+  sustained_load_gentime_splitcopy_qwen35_h100.json (51c61d9), fresh processes, the chain 2.76-2.78 throughout: not
+  the position either: the bare steps from start_loop's Loop moved to the prompt's end (position 320, an empty
+  cache, "steps_at") 2.73-2.74 ms a token, "steps" 2.72-2.73, "prefill_steps" 2.94-2.96; and hardly where the
+  Loop's buffers lie: the split with the prefill's Loop copied into new buffers before the rounds ("splitcopy")
+  2.91, the split 2.95. Left: the generation's executables on a real prefill's cache and recurrent state (the
+  chain's executable on the same state is fast; the generation's on an empty cache too).
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
     P=chain:1,+genpart:generate_on_device:shipped:2,chain:1   # or :no_graphs:3, :host_while:3, unchecked:shipped:2
