@@ -723,7 +723,7 @@ def phase_gentime(s: Session, spec: str) -> dict:
         loop = first(s.engine.params, prompt, length, np.int32(s.n), eos)
         rounds = split_rounds(s.engine, loop, rounds_mode or prefill_mode, s.opts.hlo_dir)
 
-        def run(params, *request):  # "splitrest": the prefill finished, then 1 s idle, before the rounds start
+        def run(params, *request):  # the prefill's Loop, awaited and idle 1 s ("splitrest") or copied ("splitcopy")
             loop = first(params, *request)
             if part == "splitrest":
                 jax.block_until_ready(loop)
@@ -807,7 +807,7 @@ def phase_stepstate(s: Session, spec: str) -> dict:
 
 
 def phase_context(what: str) -> Callable[[Session, str], dict]:
-    """The runner of "stack:B" / "cacheconfig:C" (`set_context`)."""
+    """The runner of "stack:B" / "pending:N" / "cacheconfig:C" (`set_context`)."""
 
     def runner(_: Session, value: str) -> dict:
         try:
