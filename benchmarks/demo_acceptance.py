@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 
 import checkpoints  # noqa: E402
 import jspec  # noqa: E402
+from jspec.model import read_tokenizer  # noqa: E402
 from pallas_kernels import get_backend  # noqa: E402
 
 # Code-editing prompts: code, a comment asking for an edit, and the start of the edited version. A model that has
@@ -123,10 +124,8 @@ NOTES = (
 
 def load_demo(ckpt_dir: str):
     """(params, cfg, tokenizer) of a jspec checkpoint directory holding tokenizer.json."""
-    from tokenizers import Tokenizer
-
     params, cfg = checkpoints.load(ckpt_dir)
-    return params, cfg, Tokenizer.from_file(os.path.join(ckpt_dir, "tokenizer.json"))
+    return params, cfg, read_tokenizer(os.path.join(ckpt_dir, "tokenizer.json"))
 
 
 def drafter_configs(

@@ -35,7 +35,7 @@ import numpy as np
 
 from checkpoints.formats import QuantScheme, concat_n, scheme_from_config
 from jspec import tensor_parallel
-from jspec.config import ModelConfig, UnsupportedModelError
+from jspec.config import ModelConfig, UnsupportedModelError, read_hf_config
 from pallas_kernels.int4 import quantize
 
 int4_quantize = jax.jit(quantize)  # dense W [K, N] -> symmetric Int4Weight; one compile per shape (eager: per op)
@@ -241,15 +241,6 @@ def lm_head_weight(ckpt: Checkpoint, cfg: ModelConfig, linears: Linears, embed: 
 FAMILY_LOADERS: dict[str, Callable[..., dict]] = {"qwen2": load_dense, "llama": load_dense, "glm4": load_dense}
 
 
-def read_hf_config(hf_dir: str | os.PathLike) -> dict:
-    path = os.path.join(os.fspath(hf_dir), "config.json")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read HuggingFace config {path}: {e}") from e
-
-
 def load_hf(
     hf_dir: str | os.PathLike,
     dtype: str = "float32",
@@ -268,7 +259,10 @@ def load_hf(
         raise ValueError(f"quantize must be None or 'int4', got {quantize!r}")
     if quantize is None and quantize_lm_head is not None:
         raise ValueError("quantize_lm_head applies only with quantize='int4'")
-    hf_config = read_hf_config(hf_dir)
+    try:
+        hf_config = read_hf_config(os.path.join(hf_dir, "config.json"))
+    except (OSError, ValueError) as e:  # the message names the file: a checkpoint that cannot be imported
+        raise CheckpointError(str(e)) from e
     cfg = ModelConfig.from_hf(hf_config)
     if mesh is not None:  # a bad mesh or sizes it cannot split raise before any tensor is read
         tensor_parallel.shard_config(cfg, tensor_parallel.mesh_size(mesh))

@@ -40,6 +40,7 @@ import numpy as np
 
 import checkpoints
 from jspec.config import ModelConfig, RopeConfig
+from jspec.model import read_tokenizer
 from jspec.models import family_module, quantize_linears
 from jspec.models.layers import logits as logits_from_hidden
 from jspec.models.mtp import init_mtp_params, mtp_forward
@@ -172,9 +173,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
 
 
 def load_tokenizer(path: str):
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(path)
+    tok = read_tokenizer(path)
     if tok.token_to_id(EOS) is None:
         raise ValueError(f"{path}: tokenizer has no {EOS!r} token")
     return tok

@@ -123,18 +123,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: dict[str, Any] | str | os.PathLike) -> ModelConfig:
-        """Build from a HuggingFace config: a dict, a config.json path or a checkpoint directory."""
+        """Build from a HuggingFace config: a dict, a config.json path or a checkpoint directory (`read_hf_config`)."""
         if not isinstance(config, dict):
-            path = os.fspath(config)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            try:
-                with open(path) as f:
-                    config = json.load(f)
-            except OSError as e:
-                raise FileNotFoundError(f"cannot read HuggingFace config {path!r}: {e}") from e
-            except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
-                raise ValueError(f"cannot read HuggingFace config {path!r}: not JSON ({e})") from e
+            config = read_hf_config(config)
         if "text_config" in config and config.get("model_type") == "qwen3_5":
             config = {**config["text_config"], "model_type": "qwen3_5_text"}
         model_type = config.get("model_type")
@@ -225,6 +216,21 @@ def _refuse_moe(config: dict[str, Any], family: str) -> None:
                 f"(num_experts={num_experts}); only dense configs (num_experts=0 or every layer "
                 f"in mlp_only_layers) load"
             )
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """A HuggingFace config.json as a dict; path: the file or the checkpoint directory holding it. Raises
+    FileNotFoundError (unreadable) or ValueError (not JSON), each naming the file."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise FileNotFoundError(f"cannot read HuggingFace config {path!r}: {e}") from e
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"cannot read HuggingFace config {path!r}: not JSON ({e})") from e
 
 
 def _rope_from_hf(config: dict[str, Any], family: str) -> RopeConfig:
