@@ -48,6 +48,17 @@ def positive(lo: int = 1, hi: int | None = None):
     return parse
 
 
+def read_prompt_ids(text: str, vocab_size: int) -> list[int]:
+    """--prompt-ids' token ids: integers separated by commas or white space, each in [0, vocab_size)."""
+    from jspec.checks import token_ids
+
+    words = text.replace(",", " ").split()
+    bad = next((w for w in words if not w.lstrip("-").isdecimal()), None)
+    if bad is not None:
+        raise CliError(f"--prompt-ids: expected integers separated by commas or spaces, got {bad!r}")
+    return token_ids([int(w) for w in words], "--prompt-ids", vocab_size).tolist()
+
+
 def read_prompt(args) -> str:
     """The prompt's text: the positional PROMPT, --prompt or --prompt-file's contents (argparse lets one through)."""
     for text in (args.prompt_text, args.prompt):
@@ -127,12 +138,15 @@ def _plan(args, path: str):
             "draft from all of them)"
         )
     file = Path(path) / "tokenizer.json"
-    if not file.exists():
-        raise CliError(f"no tokenizer.json in {path} (needed to turn text into tokens)")
-    tokenizer = read_tokenizer(file)
-    prompt = tokenizer.encode(read_prompt(args)).ids
-    if not prompt:
-        raise CliError("the prompt encodes to zero tokens")
+    tokenizer = read_tokenizer(file) if file.exists() else None
+    if args.prompt_ids is not None:
+        prompt = read_prompt_ids(args.prompt_ids, cfg.vocab_size)
+    elif tokenizer is None:
+        raise CliError(f"no tokenizer.json in {path} to turn text into tokens: give the prompt as --prompt-ids")
+    else:
+        prompt = tokenizer.encode(read_prompt(args)).ids
+        if not prompt:
+            raise CliError("the prompt encodes to zero tokens")
     max_len = args.max_len or len(prompt) + args.max_new_tokens
     if len(prompt) + args.max_new_tokens > max_len:
         raise CliError(
@@ -177,7 +191,7 @@ def cmd_generate(args) -> int:
         raise CliError("--dtype and --quantize apply to HuggingFace checkpoints; this one is already converted")
     sampler = _sampler(args)
     draft_path = _draft_checkpoint(args, path)
-    _, _, prompt, max_len = _plan(args, path)
+    _, tokenizer, prompt, max_len = _plan(args, path)
     model = jspec.load(path, dtype=args.dtype, quantize=args.quantize) if hf else jspec.load(path)
     engine = model.engine(max_len, args.k)
     if len(prompt) > 4 * engine.prefill_chunk and not args.json:
@@ -192,7 +206,10 @@ def cmd_generate(args) -> int:
     )
     drafter = _drafter(args, draft_path, model, prompt)
     engine.settings(drafter=drafter, gate=run["gate"], sampler=sampler)  # a draft model's vocabulary, before output
-    text = read_prompt(args)
+    if args.prompt_ids is None:
+        text = read_prompt(args)
+    else:  # token ids in: the prompt shown as its text where the checkpoint has a tokenizer, else as the ids
+        text = tokenizer.decode(prompt) if tokenizer is not None else " ".join(map(str, prompt)) + " ->"
     out = {
         "checkpoint": path,
         "prompt_tokens": len(prompt),
@@ -235,6 +252,8 @@ def cmd_generate(args) -> int:
         return 0 if out.get("greedy_identical", True) else 1
     if not streaming:
         print(text + result.text, end="")
+    if tokenizer is None:  # no text to show: the new tokens' ids
+        print(" " + " ".join(map(str, result.tokens)), end="")
     print("\n" + "-" * 72)
     timing = (
         f"warm-up (compile + one run of each) {out['warmup_s_with_compile']:.2f} s"
@@ -305,9 +324,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="jspec checkpoint or HuggingFace dir, or a bundled model: 'demo' (the default) or 'demo-hybrid'",
     )
     text = g.add_mutually_exclusive_group(required=True)
-    text.add_argument("prompt_text", nargs="?", metavar="PROMPT", help="the prompt (or --prompt, or --prompt-file)")
+    text.add_argument(
+        "prompt_text", nargs="?", metavar="PROMPT", help="the prompt (or --prompt, --prompt-file, --prompt-ids)"
+    )
     text.add_argument("--prompt", help="the prompt, also where it starts with '-'")
     text.add_argument("--prompt-file")
+    text.add_argument(
+        "--prompt-ids",
+        metavar="IDS",
+        help="the prompt as token ids, separated by commas or spaces (for a checkpoint without tokenizer.json; the "
+        "new tokens print as ids then)",
+    )
     g.add_argument("--drafter", choices=DRAFTERS, default="prompt-lookup")
     g.add_argument(
         "--draft-checkpoint", help="the draft model of --drafter draft-model (default: the demo model's bundled one)"

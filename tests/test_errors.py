@@ -371,15 +371,43 @@ def test_cli_user_errors_are_one_line_with_status_2(bad_dirs, capsys, case):
 
 
 def test_cli_prompt_is_positional_or_an_option(capsys):
-    """`jspec generate "text"` is `jspec generate --prompt "text"`; with neither (nor --prompt-file) the error names
-    all three."""
+    """`jspec generate "text"` is `jspec generate --prompt "text"`; with none of them (nor --prompt-file,
+    --prompt-ids) the error names all four."""
     outs = []
     for argv in (["def add(a, b):"], ["--prompt", "def add(a, b):"]):
         assert cli.main(["generate", *argv, "--max-new-tokens", "6", "--json"]) == 0
         outs.append(json.loads(capsys.readouterr().out))
     assert outs[0]["prompt_tokens"] == outs[1]["prompt_tokens"] > 0 and outs[0]["tokens"] == outs[1]["tokens"]
     assert cli.main(["generate", "--max-new-tokens", "6"]) == 2
-    assert "one of the arguments PROMPT --prompt --prompt-file is required" in capsys.readouterr().err
+    assert "one of the arguments PROMPT --prompt --prompt-file --prompt-ids is required" in capsys.readouterr().err
+
+
+def test_cli_takes_the_prompt_as_token_ids(bad_dirs, capsys):
+    """`--prompt-ids` runs what the text's tokens run (the demo model), and runs a checkpoint without tokenizer.json,
+    whose text prompt is refused naming the option and whose new tokens print as ids; bad ids are one-line errors."""
+    argv = ["generate", "--max-new-tokens", "6", "--json"]
+    assert cli.main([*argv, "--prompt", "def add(a, b):"]) == 0
+    by_text = json.loads(capsys.readouterr().out)
+    ids = jspec.load("demo").encode("def add(a, b):")
+    assert cli.main([*argv, "--prompt-ids", ", ".join(map(str, ids))]) == 0
+    by_ids = json.loads(capsys.readouterr().out)
+    assert by_ids["prompt_tokens"] == len(ids) and by_ids["tokens"] == by_text["tokens"]
+    assert by_ids["text"] == by_text["text"] != ""
+    no_tokenizer = ["generate", "--checkpoint", str(bad_dirs["no_mtp"]), "--max-new-tokens", "5", "--ignore-eos"]
+    assert cli.main([*no_tokenizer, "--prompt", "def"]) == 2
+    assert "no tokenizer.json in" in (err := capsys.readouterr().err) and "give the prompt as --prompt-ids" in err
+    assert cli.main([*no_tokenizer, "--prompt-ids", "3 1 4 1"]) == 0
+    shown = capsys.readouterr().out.splitlines()[0].split()
+    assert shown[:5] == ["3", "1", "4", "1", "->"] and len(shown[5:]) == 5 and all(t.isdecimal() for t in shown[5:])
+    for ids, message in (
+        ("1,x", "--prompt-ids: expected integers separated by commas or spaces, got 'x'"),
+        ("1 1000000", "--prompt-ids: token id 1000000 at index 1 is out of range for vocab_size"),
+        ("-2", "--prompt-ids: token id -2 at index 0 is out of range"),
+        (" , ", "--prompt-ids is empty"),
+    ):
+        assert cli.main([*no_tokenizer, "--prompt-ids", ids]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and message in err, err
 
 
 def test_cli_prompt_file_errors_name_the_file(bad_dirs, capsys):
