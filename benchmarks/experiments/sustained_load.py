@@ -182,6 +182,13 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   Loop's buffers lie: the split with the prefill's Loop copied into new buffers before the rounds ("splitcopy")
   2.91, the split 2.95. Left: the generation's executables on a real prefill's cache and recurrent state (the
   chain's executable on the same state is fast; the generation's on an empty cache too).
+- sustained_load_gentime_{prof,prof_modes,cblog,held_prefill}_qwen35_h100.json (760db9e; an H100, fresh processes):
+  the same kernels, slower graphs. "prefill_steps" and "steps_at" share their optimized HLO loop body; profiled per
+  token with a host-driven loop of graphed bodies ("host_while") they run 2771 and 2753 us of kernels, 435 launches
+  each, at 2.96 and 2.77 ms a token; with no command buffers ("no_graphs") 3.19 and 3.22: no excess. The shipped
+  mode's device-side WHILE hides its kernels from the profiler (0 a token). steps_at beside a held prefill_round
+  executable (graphs recorded) stays at 2.72-2.75. XLA's log: prefill_steps holds 81 command buffers (176
+  host-driven), steps_at 1 (2); no command buffer is updated per iteration in either.
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
     P=chain:1,+genpart:generate_on_device:shipped:2,chain:1   # or :no_graphs:3, :host_while:3, unchecked:shipped:2
