@@ -117,14 +117,21 @@ def measure(engine: Engine, prompt: np.ndarray, n: int, on_device: bool, repeats
     run(1)
     wall = statistics.median(run(n) - run(1) for _ in range(repeats)) / (n - 1)
     out = {"ms_per_token": 1e3 * wall, "tok_s": 1 / wall}
+    return out | (token_kernels(run, n) or {})
+
+
+def token_kernels(wall, n: int) -> dict | None:
+    """A generation's GPU kernels per token, from a timer wall(tokens): a profile of wall(n) minus one of wall(1),
+    over n - 1 (the prefill and the first token cancel): kernel us, launches, stream idle us, by group, the costliest
+    kernels and the stream's largest gaps (`kernel_times`, `stream_gaps`); None off the GPU."""
     if jax.default_backend() != "gpu":
-        return out
-    long, short = profile(lambda: run(n)), profile(lambda: run(1))
+        return None
+    long, short = profile(lambda: wall(n)), profile(lambda: wall(1))
     k_long, k_short = kernel_times(long, 1), kernel_times(short, 1)
     per = lambda key: (k_long[key] - k_short[key]) / (n - 1)  # noqa: E731
     g_long, g_short = stream_gaps(long), stream_gaps(short)
     g_long.subtract(g_short)
-    out |= {
+    return {
         "kernel_us_per_token": per("kernel_us"),
         "launches_per_token": per("launches"),
         "idle_us_per_token": per("idle_us"),
@@ -139,7 +146,6 @@ def measure(engine: Engine, prompt: np.ndarray, n: int, on_device: bool, repeats
             f"{a} -> {b}": round(us / (n - 1), 2) for (a, b), us in g_long.most_common(TOP_GAPS) if us > 0
         },
     }
-    return out
 
 
 def step_profiler(params: dict, cfg, context: int, calls: int = 3, state=None):

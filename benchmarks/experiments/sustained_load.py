@@ -14,7 +14,7 @@ reasons (`nvidia-smi`):
   tokens (T = 1: the prefill and the first token); "gentime:PART[:MODE[:R[:prof]]]": a whole generation's
   executable (generate_on_device or unchecked, below) timed as "generate" times the Engine's (`phase_gentime`);
   "split" the prefill's executable and the rounds', MODE "PREFILL_MODE/ROUNDS_MODE" compiling each with its own
-  options; with ":prof", then its GPU kernels per token, profiled (`token_kernels`).
+  options; with ":prof", then its GPU kernels per token, profiled (`device_loop_profile.token_kernels`).
 - "devexec:MODE": the Engine's on-device generation executable, "compile" only, "run" once, or "get" (run, copy back).
 - "genpart:PART[:MODE[:RUNS]]": a part of the generation (`jspec.loop`) as its own executable, compiled with a
   MODE's options (`EXECUTABLE_MODES`) and run RUNS times (default: as shipped, once; `generation_part_once`):
@@ -188,7 +188,8 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   each, at 2.96 and 2.77 ms a token; with no command buffers ("no_graphs") 3.19 and 3.22: no excess. The shipped
   mode's device-side WHILE hides its kernels from the profiler (0 a token). steps_at beside a held prefill_round
   executable (graphs recorded) stays at 2.72-2.75. XLA's log: prefill_steps holds 81 command buffers (176
-  host-driven), steps_at 1 (2); no command buffer is updated per iteration in either.
+  host-driven), steps_at 1 (2); no command buffer is updated per iteration in either. (Their kernels_per_token
+  are 760db9e's own count, each kernel name's [us, launches]; the phase now writes `token_kernels`' fields.)
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
     P=chain:1,+genpart:generate_on_device:shipped:2,chain:1   # or :no_graphs:3, :host_while:3, unchecked:shipped:2
@@ -239,6 +240,7 @@ from device_loop_profile import (  # noqa: E402
     chain_walls,
     generation_wall,
     step_profiler,
+    token_kernels,
     without_command_buffers,
 )
 from xla_options import NO_GRAPHS  # noqa: E402
@@ -259,7 +261,6 @@ from jspec.steps import prefill  # noqa: E402
 from jspec_bench.report import experiment_meta, gpu_sample, save_experiment  # noqa: E402
 from jspec_bench.roofline import _xla_sum_Bps  # noqa: E402
 from jspec_bench.shapes import copy_tree, model_config, random_int4_params, random_state  # noqa: E402
-from jspec_bench.timing import profile, stream_events  # noqa: E402
 from pallas_kernels import ROW_TILE  # noqa: E402
 from pallas_kernels.int4_ws import Int4Codes  # noqa: E402
 from pallas_kernels.matmul import linear  # noqa: E402
@@ -720,7 +721,8 @@ def phase_gentime(s: Session, spec: str) -> dict:
     before the rounds, which cancels in the timing below; "splitcopy": the split with every array of the prefill's
     Loop copied into a new buffer before the rounds) timed as
     `phase_generate` times the Engine's: ms a token over --new-tokens minus 1, REPEATS times (default 3); with a
-    fourth field "prof", then profiled: its GPU kernels per token (`token_kernels`); destroyed after."""
+    fourth field "prof", then profiled: its GPU kernels per token (`device_loop_profile.token_kernels`); destroyed
+    after."""
     part, _, rest = spec.partition(":")
     mode, _, rest = rest.partition(":")
     repeats, _, prof = rest.partition(":")
@@ -752,44 +754,6 @@ def phase_gentime(s: Session, spec: str) -> dict:
 
     timed_ms = {"ms_per_token": ms_per_token(wall, s.n, int(repeats or 3))}
     return timed_ms | ({"kernels_per_token": token_kernels(wall, s.n)} if prof else {})
-
-
-def stream_totals(prof) -> tuple[dict, int, float]:
-    """({kernel name: [GPU us, launches]}, launches, stream idle us between kernels) of a profile's GPU streams."""
-    by_name, launches, idle = {}, 0, 0.0
-    for events in stream_events(prof):
-        end = None
-        for event in events:
-            total = by_name.setdefault(event.name, [0.0, 0])
-            total[0] += event.duration_ns / 1e3
-            total[1] += 1
-            launches += 1
-            if end is not None and event.start_ns > end:
-                idle += (event.start_ns - end) / 1e3
-            end = max(end or 0, event.end_ns)
-    return by_name, launches, idle
-
-
-def token_kernels(wall: Callable[[int], float], n: int) -> dict | None:
-    """A generation's GPU kernels per token: a profile of wall(n) minus one of wall(1), over n - 1 (the prefill and
-    the first token cancel, as in `ms_per_token`): kernel us, launches, stream idle us, and each kernel name's us and
-    launches, the costliest 40 (None off the GPU)."""
-    if jax.default_backend() != "gpu":
-        return None
-    (long, long_launches, long_idle), (short, short_launches, short_idle) = (
-        stream_totals(profile(lambda t=t: wall(t))) for t in (n, 1)
-    )
-    per = {
-        name: [(us - short.get(name, [0.0, 0])[0]) / (n - 1), (k - short.get(name, [0.0, 0])[1]) / (n - 1)]
-        for name, (us, k) in long.items()
-    }
-    top = sorted(per.items(), key=lambda kv: -kv[1][0])[:40]
-    return {
-        "kernel_us": round(sum(us for us, _ in per.values()), 1),
-        "launches": round((long_launches - short_launches) / (n - 1), 2),
-        "idle_us": round((long_idle - short_idle) / (n - 1), 1),
-        "kernels": {name[:80]: [round(us, 2), round(k, 2)] for name, (us, k) in top},
-    }
 
 
 def phase_stepprof(s: Session, _: str) -> dict:
