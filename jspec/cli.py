@@ -121,8 +121,8 @@ def _drafter(args, draft_path: str | None, model, prompt: list[int]):
 
 
 def _plan(args, path: str):
-    """Everything about a generate request that can be known before the weights load: (cfg, tokenizer, prompt
-    ids, max_len). Raises for a request that cannot run."""
+    """Everything about a generate request that can be known before the weights load: (cfg, tokenizer or None,
+    prompt ids, the prompt as shown, max_len). Raises for a request that cannot run."""
     from jspec.memory import check_fits, tree_bytes
     from jspec.model import checkpoint_config, read_tokenizer
     from jspec.state import init_state
@@ -139,12 +139,14 @@ def _plan(args, path: str):
         )
     file = Path(path) / "tokenizer.json"
     tokenizer = read_tokenizer(file) if file.exists() else None
-    if args.prompt_ids is not None:
+    if args.prompt_ids is not None:  # shown as its text where the checkpoint has a tokenizer, else as the ids
         prompt = read_prompt_ids(args.prompt_ids, cfg.vocab_size)
+        shown = tokenizer.decode(prompt) if tokenizer is not None else " ".join(map(str, prompt)) + " ->"
     elif tokenizer is None:
         raise CliError(f"no tokenizer.json in {path} to turn text into tokens: give the prompt as --prompt-ids")
     else:
-        prompt = tokenizer.encode(read_prompt(args)).ids
+        shown = read_prompt(args)
+        prompt = tokenizer.encode(shown).ids
         if not prompt:
             raise CliError("the prompt encodes to zero tokens")
     max_len = args.max_len or len(prompt) + args.max_new_tokens
@@ -158,7 +160,7 @@ def _plan(args, path: str):
     dtype = args.dtype or "float32"  # the cache in float32 is the larger of the two: a bound for either
     state = jax.eval_shape(lambda: init_state(cfg, max_len, dtype))
     check_fits({"KV cache and token history": tree_bytes(state)}, f"--max-len {max_len}", "lower --max-new-tokens")
-    return cfg, tokenizer, prompt, max_len
+    return cfg, tokenizer, prompt, shown, max_len
 
 
 def use_compile_cache(where: str | None) -> str | None:
@@ -191,7 +193,7 @@ def cmd_generate(args) -> int:
         raise CliError("--dtype and --quantize apply to HuggingFace checkpoints; this one is already converted")
     sampler = _sampler(args)
     draft_path = _draft_checkpoint(args, path)
-    _, tokenizer, prompt, max_len = _plan(args, path)
+    _, tokenizer, prompt, text, max_len = _plan(args, path)
     model = jspec.load(path, dtype=args.dtype, quantize=args.quantize) if hf else jspec.load(path)
     engine = model.engine(max_len, args.k)
     if len(prompt) > 4 * engine.prefill_chunk and not args.json:
@@ -206,10 +208,6 @@ def cmd_generate(args) -> int:
     )
     drafter = _drafter(args, draft_path, model, prompt)
     engine.settings(drafter=drafter, gate=run["gate"], sampler=sampler)  # a draft model's vocabulary, before output
-    if args.prompt_ids is None:
-        text = read_prompt(args)
-    else:  # token ids in: the prompt shown as its text where the checkpoint has a tokenizer, else as the ids
-        text = tokenizer.decode(prompt) if tokenizer is not None else " ".join(map(str, prompt)) + " ->"
     out = {
         "checkpoint": path,
         "prompt_tokens": len(prompt),
