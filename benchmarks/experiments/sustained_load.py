@@ -409,15 +409,17 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str, 
     """One part of the greedy on-device generation (`jspec.loop`) as its own executable, spec "PART[:MODE[:RUNS]]":
     compiled with EXECUTABLE_MODES[MODE] (default "shipped"), run RUNS times (default 1; XLA records an executable's
     CUDA graphs at its second run, the first running thunk by thunk) and returned. PART: "start" (`start_loop`: the
-    fresh state holding the prompt), "first" (start_loop, then `first_round` with no chunk run), "rounds"
-    (start_loop, then n `decode_round`s in a while loop, no prefill), "prefill_round" (start_loop, the chunks, the
-    first round), "prefill_rounds" (prefill_round, then the n rounds: the generation without its request check),
-    "generate_on_device" (the whole generation jitted here, not by the Engine), "unchecked" (it without its request
-    check: no `lax.cond` around its loops), "steps" and "prefill_steps" (start_loop or prefill_round, then the bare
-    chain's body on the Loop's state: decode_step, argmax, commit, none of a round's bookkeeping), "steps_at" (the
-    steps from start_loop's Loop moved to the prompt's end, no prefill: the prefilled position, an empty cache).
-    The rounds and steps run the request's max_new times (a runtime value, so `phase_gentime` can time them per
-    token; a static n at 1949890 and before). hlo_dir: where its optimized HLO goes (PART_MODE.hlo.txt.gz), if given."""
+    fresh state holding the prompt), "start_at" (its Loop moved to the prompt's end, no prefill), "first"
+    (start_loop, then `first_round` with no chunk run), "rounds" (start_loop, then n `decode_round`s in a while
+    loop, no prefill), "prefill_round" (start_loop, the chunks, the first round), "prefill_rounds" (prefill_round,
+    then the n rounds: the generation without its request check), "generate_on_device" (the whole generation jitted
+    here, not by the Engine), "unchecked" (it without its request check: no `lax.cond` around its loops), "steps"
+    and "prefill_steps" (start_loop or prefill_round, then the bare chain's body on the Loop's state: decode_step,
+    argmax, commit, none of a round's bookkeeping), "steps_at" (the steps from start_loop's Loop moved to the
+    prompt's end, no prefill: the prefilled position, an empty cache). The rounds and steps run the request's
+    max_new times (a runtime value, so `phase_gentime` can time them per token; a static n at 1949890 and before).
+    hlo_dir: where its optimized HLO goes (PART_MODE.hlo.txt.gz), if given. Its XLA module is named jit_PART, so an
+    --xla_dump_to dump (its thunk sequences) names the part."""
     part, _, rest = spec.partition(":")
     mode, _, runs = rest.partition(":")
     cfg, settings = engine.cfg, engine.settings()
@@ -448,6 +450,7 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str, 
 
     fn = {
         "start": start,
+        "start_at": lambda params, *request: at_prompt_end(start(params, *request)),
         "first": lambda params, *request: first_round(params, cfg, settings, start(params, *request)),
         "rounds": lambda params, *request: rounds(params, start(params, *request), request[2]),
         "prefill_round": prefilled,
@@ -458,6 +461,7 @@ def generation_part_once(engine: Engine, prompt: np.ndarray, n: int, spec: str, 
         "generate_on_device": whole,
         "unchecked": unchecked,
     }[part]
+    fn.__name__ = part
     options = compiler_options() and EXECUTABLE_MODES[mode or "shipped"]
     run = jax.jit(fn).lower(engine.params, *request).compile(options)
     write_hlo(run, hlo_dir, f"{part}_{mode or 'shipped'}")
@@ -711,13 +715,15 @@ def split_rounds(engine: Engine, loop, mode: str, hlo_dir: str | None):
 
 
 GENTIME_PARTS = ("generate_on_device", "unchecked", "rounds", "prefill_rounds", "steps", "prefill_steps", "steps_at")
+SPLITS = ("split", "splitempty", "splitrest", "splitcopy")  # `phase_gentime`'s two-executable generations
 
 
 def phase_gentime(s: Session, spec: str) -> dict:
     """A generation's executable ("PART[:MODE[:REPEATS]]", PART of `generation_part_once` whose tokens follow the
     request's max_new: generate_on_device, unchecked, rounds, prefill_rounds, steps, prefill_steps; run twice so its
     graphs are recorded; or "split": prefill_round's executable, then `split_rounds` on its Loop, MODE
-    "PREFILL_MODE/ROUNDS_MODE" for one mode each; "splitrest": the split with the prefill awaited and 1 s of idle
+    "PREFILL_MODE/ROUNDS_MODE" for one mode each; "splitempty": the split on start_at's Loop (no prefill: the
+    prompt's end, an empty cache); "splitrest": the split with the prefill awaited and 1 s of idle
     before the rounds, which cancels in the timing below; "splitcopy": the split with every array of the prefill's
     Loop copied into a new buffer before the rounds) timed as
     `phase_generate` times the Engine's: ms a token over --new-tokens minus 1, REPEATS times (default 3); with a
@@ -726,12 +732,13 @@ def phase_gentime(s: Session, spec: str) -> dict:
     part, _, rest = spec.partition(":")
     mode, _, rest = rest.partition(":")
     repeats, _, prof = rest.partition(":")
-    if part not in (*GENTIME_PARTS, "split", "splitrest", "splitcopy"):
-        raise ValueError(f"gentime times one of {', '.join(GENTIME_PARTS)}, split(rest|copy), not {part!r}")
+    if part not in (*GENTIME_PARTS, *SPLITS):
+        raise ValueError(f"gentime times one of {', '.join(GENTIME_PARTS + SPLITS)}, not {part!r}")
     prompt, length, _, eos = s.engine.request(s.prompt, s.n, ()).loop_args(s.engine.max_len)
-    if part in ("split", "splitrest", "splitcopy"):  # prefill_round's executable, then the rounds': two calls
+    if part in SPLITS:  # prefill_round's (or start_at's) executable, then the rounds': two calls
         prefill_mode, _, rounds_mode = mode.partition("/")  # "PREFILL_MODE/ROUNDS_MODE", or one MODE for both
-        first = generation_part_once(s.engine, s.prompt, s.n, f"prefill_round:{prefill_mode}:2", s.opts.hlo_dir)
+        loop_part = "start_at" if part == "splitempty" else "prefill_round"
+        first = generation_part_once(s.engine, s.prompt, s.n, f"{loop_part}:{prefill_mode}:2", s.opts.hlo_dir)
         loop = first(s.engine.params, prompt, length, np.int32(s.n), eos)
         rounds = split_rounds(s.engine, loop, rounds_mode or prefill_mode, s.opts.hlo_dir)
 
