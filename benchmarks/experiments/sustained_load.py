@@ -191,15 +191,16 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   host-driven), steps_at 1 (2); no command buffer is updated per iteration in either. (Their kernels_per_token
   are 760db9e's own count, each kernel name's [us, launches]; the phase now writes `token_kernels`' fields.)
 - sustained_load_gentime_thunks_qwen35_h100.json and its two thunk sequences (c28e354; an H100, one fresh process,
-  XLA_FLAGS=--xla_dump_to with the parts' module names, --xla-log): the decode loop's body is the same, node for
-  node and edge for edge, in prefill_steps and steps_at (297 kernels, 137 Mosaic GPU calls and a copy in one serial
-  chain); what differs is around it: steps_at is one command buffer, while prefill_steps drives its prefill's chunk
-  loop from the host (the loop's body: 39 command buffers around 48 async copies on 4 more streams), in 81 command
-  buffers with the decode loop in the last. Timed here (one repeat each): steps_at 2.74 ms a token, prefill_steps 2.92;
-  host-driven 2.83 against 3.01 (the profile as in 760db9e's: 2773 us of kernels in 435 launches); and the rounds'
-  executable of the split (one command buffer with its WHILE, no other stream) 2.85 on a Loop no prefill made
-  ("splitempty"). The split on the prefill's Loop read 4.11 here: its two executables evicted each other's command
-  buffers (165 recordings of 83 buffers in the phase), so its timed calls re-recorded graphs; 2.91-2.97 before.
+  XLA_FLAGS=--xla_dump_to with the parts' module names, --xla-log): the decode loop's body is the same, node for node
+  and edge for edge, in prefill_steps and steps_at (297 kernels, 137 Mosaic GPU calls and a copy in one serial chain);
+  what differs is around it: steps_at is one command buffer, while prefill_steps drives its prefill's chunk loop from
+  the host (the loop's body: 39 command buffers around 48 dynamic-slice copy fusions run async on 4 more streams), in
+  81 command buffers with the decode loop in the last. Timed here (one repeat each): steps_at 2.74 ms a token,
+  prefill_steps 2.92; host-driven 2.83 against 3.01 (the profile as in 760db9e's: 2773 us of kernels in 435 launches);
+  and the rounds' executable of the split (one command buffer with its WHILE, no other stream) 2.85 on a Loop no
+  prefill made ("splitempty"). The split on the prefill's Loop read 4.11 here: its two executables evicted each
+  other's command buffers (165 recordings of 83 buffers in the phase), likely re-recorded within the timed calls;
+  2.91-2.97 before.
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
     P=chain:1,+genpart:generate_on_device:shipped:2,chain:1   # or :no_graphs:3, :host_while:3, unchecked:shipped:2
@@ -379,9 +380,8 @@ EXECUTABLE_MODES = {  # MODE (prefill, gdn, gemm, genpart, gentime) -> the XLA o
     # hiding scheduler's)
     "cb_serialize": VARIANTS["shipped"] | {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"},
     "cb_concurrent": VARIANTS["shipped"] | {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
-    # the prefill's dynamic-update-slice copies (the recurrent layers' slot 0) not run async on 4 more streams:
-    # XLA's library-call dynamic-slice fusions off, or its offset checks on (which also keep those copies on the
-    # main stream)
+    # the prefill's 48 dynamic-slice copy fusions not run async on 4 more streams (c28e354's thunks): XLA's
+    # dynamic-slice fusions off, or their offset checks on (said to keep those copies on the main stream)
     "no_dsf": VARIANTS["shipped"] | {"xla_gpu_enable_dynamic_slice_fusion": False},
     "dsf_verify": VARIANTS["shipped"] | {"xla_gpu_experimental_dynamic_slice_fusion_verify_offsets": True},
 }
