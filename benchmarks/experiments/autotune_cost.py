@@ -71,6 +71,9 @@ VARIANTS = {  # added to the shipped GPU options (level 0, cuBLAS: jspec.engine.
     "no_blas_graphs": without_command_buffers("CUBLAS", "CUBLASLT"),
     # no WHILE / CONDITIONAL command buffers: the host drives the executable's loops, each body still a CUDA graph
     "host_while": without_command_buffers("WHILE", "CONDITIONAL"),
+    # the prefill's dynamic-slice copy fusions not run async on 4 more streams (sustained_load.py's no_dsf / dsf_verify)
+    "no_dsf": {"xla_gpu_enable_dynamic_slice_fusion": False},
+    "dsf_verify": {"xla_gpu_experimental_dynamic_slice_fusion_verify_offsets": True},
 }
 
 ENGINE_VARIANTS = {  # the shipped options with other Engine arguments (default: one prefill chunk for a short engine)
