@@ -81,7 +81,17 @@ ENGINE_VARIANTS = {  # the shipped options with other Engine arguments (default:
     "chunk256": dict(prefill_chunk=256),
 }
 
-CHOICES = [*VARIANTS, *ENGINE_VARIANTS][1:]  # what --variants takes ("shipped" always runs)
+CHOICES = [*VARIANTS, *ENGINE_VARIANTS][1:]  # what --variants takes ("shipped" always runs), or several joined by "+"
+
+
+def variant_parts(variant: str) -> tuple[dict, dict]:
+    """(Engine arguments, XLA options added to the shipped) of a variant: one of CHOICES, or several joined by "+"
+    (e.g. "chunk128+dsf_verify"), their arguments and options merged."""
+    kwargs, options = {}, {}
+    for part in variant.split("+"):
+        kwargs |= ENGINE_VARIANTS.get(part, {})
+        options |= VARIANTS.get(part, {})
+    return kwargs, options
 
 
 @contextlib.contextmanager
@@ -103,9 +113,9 @@ def measure(name: str, args) -> dict:
     engines, out = {}, {"variants": {}}
     variants = ["shipped", *args.variants]
     for variant in variants:
-        kwargs = ENGINE_VARIANTS.get(variant, {})
+        kwargs, options = variant_parts(variant)
         engines[variant] = jspec.Engine(params, cfg, max_len=args.prompt + args.new + 16, **kwargs)
-        with gpu_options(VARIANTS.get(variant, {})):
+        with gpu_options(options):
             t0 = time.perf_counter()
             engines[variant].generate(prompt, args.new, eos_id=(), on_device=args.on_device)  # compiles every part
             compiled_s = time.perf_counter() - t0
@@ -159,7 +169,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
     ap.add_argument("--new", type=int, default=65, help="new tokens of the decode timing")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--variants", default="autotuned,autotune0_triton", help=f"comma list of {CHOICES}")
+    ap.add_argument(
+        "--variants", default="autotuned,autotune0_triton", help=f"comma list of {CHOICES} (or several joined by +)"
+    )
     ap.add_argument("--on-device", action="store_true", help="time the on-device loop (default: the host loop)")
     ap.add_argument(
         "--block", type=int, default=1, help="trials a variant runs back to back at each turn (1: interleaved)"
@@ -167,7 +179,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: the tiny shrunk shapes")
     args = ap.parse_args()
     args.variants = args.variants.split(",")
-    if unknown := set(args.variants) - set(CHOICES):
+    if unknown := {part for v in args.variants for part in v.split("+")} - set(CHOICES):
         ap.error(f"unknown variants {sorted(unknown)}: pick from {CHOICES}")
     if args.block < 1:
         ap.error(f"--block takes a positive count of calls, not {args.block}")
