@@ -34,7 +34,11 @@ shipped) and 1.001x / 1.002x (Qwen3.5, 320 tok/s), the time to first token 1.01-
 tokens: nothing end to end, so not shipped. The same for "host_while" (no WHILE / CONDITIONAL command buffers;
 ..._host_while_h100.json, 9399049: 0.986x, 0.992x) and for the prefill chunk (ENGINE_VARIANTS, chunks of 128 / 256
 against the short engine's one chunk of 480; ..._prefill_chunk_h100.json, b64fe5d: decode 1.001-1.007x, time to first
-token 1.2-1.9x longer, other greedy tokens).
+token 1.2-1.9x longer, other greedy tokens). And for "dsf_verify" (the prefill's dynamic-slice copies on the main
+stream, which takes `sustained_load.py`'s own jit of the generation from 2.92-2.96 to 2.77 ms a token): the Engine's
+on-device decode 0.999x (Qwen3.5, 340 tok/s) and 1.003x (Llama-3-8B, 359), with 128-token chunks ("chunk128" against
+"chunk128+dsf_verify") 1.000x, the same tokens (..._dsf_verify_h100.json, fc8e3fd; ..._chunk128_dsf_verify_h100.json,
+5a2a104; the commands in benchmarks/README.md).
 
     python3 benchmarks/experiments/autotune_cost.py --variants autotuned --commit SHA --out $OUT/autotune_cost_h200.json
     python3 benchmarks/experiments/autotune_cost.py --models llama-3-8b,qwen3.5 --variants no_blas_graphs --on-device \

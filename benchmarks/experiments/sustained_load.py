@@ -201,6 +201,12 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   prefill made ("splitempty"). The split on the prefill's Loop read 4.11 here: its two executables evicted each
   other's command buffers (165 recordings of 83 buffers in the phase), likely re-recorded within the timed calls;
   2.91-2.97 before.
+- sustained_load_gentime_dsf_qwen35_h100.json and the dsf_verify prefill_steps' thunk sequence (fc8e3fd; an H100, one
+  fresh process, XLA_FLAGS=--xla_dump_to): with the prefill's 48 dynamic-slice copies on the main stream ("dsf_verify":
+  no async start; its chunk loop still host-driven, 149 command buffers) prefill_steps runs 2.73-2.77 ms a token and
+  generate_on_device 2.77-2.78, against 2.94-2.95 and 2.92-2.96 as shipped (steps_at 2.74-2.75); "no_dsf" leaves the
+  48 copies async and runs 2.94. The Engine compiled with the same option does not gain (autotune_cost.py's
+  dsf_verify: 0.999x at Qwen3.5, 1.003x at Llama-3-8B; with 128-token chunks 1.000x).
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
     P=chain:1,+genpart:generate_on_device:shipped:2,chain:1   # or :no_graphs:3, :host_while:3, unchecked:shipped:2
