@@ -40,6 +40,8 @@ reasons (`nvidia-smi`):
   bare chain (and, with ":prof", the step's kernels) on a state made as STATE says (prefilled, start, random, zeros,
   a mix: `step_state`), to tell a real prefill's data from the process; "d2h:WHAT": arrays made on
   the device copied to the host (`phase_d2h`); "alloc:G": G GiB allocated and freed.
+- --engine-mode MODE: the Engine's executables (the timed generations, the chains) compiled with EXECUTABLE_MODES[MODE]
+  instead of the shipped options, to time a mode where a user meets it.
 - --xla-log LOG: the process's stderr (2> LOG), with TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3
   (without the first, jax 0.11 logs none of them): every phase's XLA command-buffer log lines counted into the
   JSON (`command_buffer_events`; a marker line on stderr opens each phase).
@@ -262,6 +264,7 @@ from device_loop_profile import (  # noqa: E402
 )
 from xla_options import NO_GRAPHS  # noqa: E402
 
+from jspec import engine as engine_module  # noqa: E402
 from jspec.config import ModelConfig  # noqa: E402
 from jspec.engine import Engine, compiler_options  # noqa: E402
 from jspec.loop import (  # noqa: E402
@@ -961,11 +964,19 @@ def main() -> None:
         "the JSON (`command_buffer_events`)",
     )
     ap.add_argument("--hlo-dir", help="a folder for the optimized HLO of every genpart / gentime executable")
+    ap.add_argument(
+        "--engine-mode",
+        choices=sorted(EXECUTABLE_MODES),
+        help="compile the Engine's executables (its generations, the chains) with this mode's options, not the "
+        "shipped ones (the meta's compiler_options say which)",
+    )
     opts = ap.parse_args()
     if opts.plot:
         return plot_runs(opts.runs, opts.plot)
     if not opts.out:
         ap.error("--out is required")
+    if opts.engine_mode:
+        engine_module.GPU_COMPILER_OPTIONS.update(EXECUTABLE_MODES[opts.engine_mode])
     t0 = time.perf_counter()
     mark_phase("setup")
     cfg = model_config(opts.model, opts.quick)
