@@ -389,8 +389,8 @@ EXECUTABLE_MODES = {  # MODE (prefill, gdn, gemm, genpart, gentime) -> the XLA o
     # hiding scheduler's)
     "cb_serialize": VARIANTS["shipped"] | {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"},
     "cb_concurrent": VARIANTS["shipped"] | {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
-    # the prefill's 48 dynamic-slice copy fusions not run async on 4 more streams (c28e354's thunks): XLA's
-    # dynamic-slice fusions off, or their offset checks on (said to keep those copies on the main stream)
+    # the prefill's 48 dynamic-slice copy fusions (async on 4 more streams in c28e354's thunks): XLA's dynamic-slice
+    # fusions off (the copies stay async), or their offset checks on (no async start left: fc8e3fd)
     "no_dsf": VARIANTS["shipped"] | {"xla_gpu_enable_dynamic_slice_fusion": False},
     "dsf_verify": VARIANTS["shipped"] | {"xla_gpu_experimental_dynamic_slice_fusion_verify_offsets": True},
 }
