@@ -196,19 +196,19 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   XLA_FLAGS=--xla_dump_to with the parts' module names, --xla-log): the decode loop's body is the same, node for node
   and edge for edge, in prefill_steps and steps_at (297 kernels, 137 Mosaic GPU calls and a copy in one serial chain);
   what differs is around it: steps_at is one command buffer, while prefill_steps drives its prefill's chunk loop from
-  the host (the loop's body: 39 command buffers around 48 dynamic-slice copy fusions run async on 4 more streams), in
-  81 command buffers with the decode loop in the last. Timed here (one repeat each): steps_at 2.74 ms a token,
-  prefill_steps 2.92; host-driven 2.83 against 3.01 (the profile as in 760db9e's: 2773 us of kernels in 435 launches);
-  and the rounds' executable of the split (one command buffer with its WHILE, no other stream) 2.85 on a Loop no
-  prefill made ("splitempty"). The split on the prefill's Loop read 4.11 here: its two executables evicted each
-  other's command buffers (165 recordings of 83 buffers in the phase), likely re-recorded within the timed calls;
-  2.91-2.97 before.
+  the host (a chunk: 39 command buffers, 48 cuBLAS triangular solves outside them, 24 dynamic-slice copy fusions run
+  async on 4 more streams), in 81 command buffers with the decode loop in the last. Timed here (one repeat each):
+  steps_at 2.74 ms a token, prefill_steps 2.92; host-driven 2.83 against 3.01 (the profile as in 760db9e's: 2773 us of
+  kernels in 435 launches); and the rounds' executable of the split (one command buffer with its WHILE, no other
+  stream) 2.85 on a Loop no prefill made ("splitempty"). The split on the prefill's Loop read 4.11 here: its two
+  executables evicted each other's command buffers (165 recordings of 83 buffers in the phase), likely re-recorded
+  within the timed calls; 2.91-2.97 before.
 - sustained_load_gentime_dsf_qwen35_h100.json and the dsf_verify prefill_steps' thunk sequence (fc8e3fd; an H100, one
-  fresh process, XLA_FLAGS=--xla_dump_to): with the prefill's 48 dynamic-slice copies on the main stream ("dsf_verify":
+  fresh process, XLA_FLAGS=--xla_dump_to): with the prefill's dynamic-slice copies on the main stream ("dsf_verify":
   no async start; its chunk loop still host-driven, 149 command buffers) prefill_steps runs 2.73-2.77 ms a token and
   generate_on_device 2.77-2.78, against 2.94-2.95 and 2.92-2.96 as shipped (steps_at 2.74-2.75); "no_dsf" leaves the
-  48 copies async and runs 2.94. The Engine compiled with the same option does not gain (autotune_cost.py's
-  dsf_verify: 0.999x at Qwen3.5, 1.003x at Llama-3-8B; with 128-token chunks 1.000x).
+  copies async and runs 2.94. The Engine compiled with the same option does not gain (autotune_cost.py's dsf_verify:
+  0.999x at Qwen3.5, 1.003x at Llama-3-8B; with 128-token chunks 1.000x).
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
     P=chain:1,+genpart:generate_on_device:shipped:2,chain:1   # or :no_graphs:3, :host_while:3, unchecked:shipped:2
@@ -389,7 +389,7 @@ EXECUTABLE_MODES = {  # MODE (prefill, gdn, gemm, genpart, gentime) -> the XLA o
     # hiding scheduler's)
     "cb_serialize": VARIANTS["shipped"] | {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"},
     "cb_concurrent": VARIANTS["shipped"] | {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
-    # the prefill's 48 dynamic-slice copy fusions (async on 4 more streams in c28e354's thunks): XLA's dynamic-slice
+    # the prefill's dynamic-slice copy fusions (async on 4 more streams in c28e354's thunks): XLA's dynamic-slice
     # fusions off (the copies stay async), or their offset checks on (no async start left: fc8e3fd)
     "no_dsf": VARIANTS["shipped"] | {"xla_gpu_enable_dynamic_slice_fusion": False},
     "dsf_verify": VARIANTS["shipped"] | {"xla_gpu_experimental_dynamic_slice_fusion_verify_offsets": True},
