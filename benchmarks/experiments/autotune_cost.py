@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: jspec_bench
 
 import numpy as np  # noqa: E402
-from device_loop_profile import without_command_buffers  # noqa: E402
+from device_loop_profile import DYNAMIC_SLICE_OPTIONS, without_command_buffers  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec import engine as engine_module  # noqa: E402
@@ -75,9 +75,7 @@ VARIANTS = {  # added to the shipped GPU options (level 0, cuBLAS: jspec.engine.
     "no_blas_graphs": without_command_buffers("CUBLAS", "CUBLASLT"),
     # no WHILE / CONDITIONAL command buffers: the host drives the executable's loops, each body still a CUDA graph
     "host_while": without_command_buffers("WHILE", "CONDITIONAL"),
-    # the prefill's dynamic-slice copy fusions not run async on 4 more streams (sustained_load.py's no_dsf / dsf_verify)
-    "no_dsf": {"xla_gpu_enable_dynamic_slice_fusion": False},
-    "dsf_verify": {"xla_gpu_experimental_dynamic_slice_fusion_verify_offsets": True},
+    **DYNAMIC_SLICE_OPTIONS,  # no_dsf, dsf_verify: the prefill's dynamic-slice copies
 }
 
 ENGINE_VARIANTS = {  # the shipped options with other Engine arguments (default: one prefill chunk for a short engine)

@@ -84,6 +84,14 @@ def without_command_buffers(*kinds: str) -> dict:
 
 VARIANTS = {"shipped": SHIPPED, "host_while": without_command_buffers("WHILE", "CONDITIONAL")}
 
+# XLA options, added to the shipped ones, on the prefill's dynamic-slice copy fusions, which run async on 4 more
+# streams as shipped (sustained_load.py's thunk runs): dynamic-slice fusions off (the copies stay async), or their
+# offset checks on (no async start left)
+DYNAMIC_SLICE_OPTIONS = {
+    "no_dsf": {"xla_gpu_enable_dynamic_slice_fusion": False},
+    "dsf_verify": {"xla_gpu_experimental_dynamic_slice_fusion_verify_offsets": True},
+}
+
 TOP_GAPS = 12  # the (kernel before, kernel after) pairs reported, by their idle time
 
 

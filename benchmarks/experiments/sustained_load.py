@@ -254,6 +254,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from device_loop_profile import (  # noqa: E402
+    DYNAMIC_SLICE_OPTIONS,
     VARIANTS,
     bare_step,
     chain_walls,
@@ -389,10 +390,8 @@ EXECUTABLE_MODES = {  # MODE (prefill, gdn, gemm, genpart, gentime) -> the XLA o
     # hiding scheduler's)
     "cb_serialize": VARIANTS["shipped"] | {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"},
     "cb_concurrent": VARIANTS["shipped"] | {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
-    # the prefill's dynamic-slice copy fusions (async on 4 more streams in c28e354's thunks): XLA's dynamic-slice
-    # fusions off (the copies stay async), or their offset checks on (no async start left: fc8e3fd)
-    "no_dsf": VARIANTS["shipped"] | {"xla_gpu_enable_dynamic_slice_fusion": False},
-    "dsf_verify": VARIANTS["shipped"] | {"xla_gpu_experimental_dynamic_slice_fusion_verify_offsets": True},
+    # no_dsf, dsf_verify: the prefill's dynamic-slice copies (async in c28e354's thunks; none async with dsf_verify)
+    **{mode: VARIANTS["shipped"] | extra for mode, extra in DYNAMIC_SLICE_OPTIONS.items()},
 }
 
 
