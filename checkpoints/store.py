@@ -1,7 +1,10 @@
 """orbax storage of (params, cfg): a directory with `params/` (an orbax checkpoint of every array) and `jspec.json`
 (the ModelConfig via `to_dict` and the params tree structure, so `load` rebuilds dicts, lists, `Int4Weight` leaves
 and None zeros exactly). int4 weights are stored as their packed uint8 codes, bf16 scales and uint8 zeros: a round
-trip is bit-identical.
+trip is bit-identical. Format v2 lists each array's CRC-32 (zlib's, over its C-order bytes) and `load` checks every
+array it restores against it: a data file damaged inside its length (which orbax reads without complaint where the
+array is stored uncompressed) is an error naming the array, not different weights. v1 checkpoints (no checksums)
+still load, unchecked.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import json
 import os
 import re
 import urllib.parse
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +25,8 @@ from jspec.config import ModelConfig
 from pallas_kernels.int4 import Int4Weight
 
 FORMAT = "jspec-params"
-VERSION = 1
+VERSION = 2
+READ_VERSIONS = (1, 2)  # v1: no checksums
 META_FILE = "jspec.json"
 PARAMS_DIR = "params"
 
@@ -55,9 +60,10 @@ def load(ckpt_dir: str | os.PathLike, mesh=None) -> tuple[dict, ModelConfig]:
             meta = json.load(f)
     except (OSError, ValueError) as e:
         raise FileNotFoundError(f"cannot read {meta_path} (not a jspec checkpoint written by save?): {e}") from e
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+    if meta.get("format") != FORMAT or meta.get("version") not in READ_VERSIONS:
         raise CheckpointError(
-            f"{meta_path}: format {meta.get('format')!r} v{meta.get('version')} is not {FORMAT} v{VERSION}"
+            f"{meta_path}: format {meta.get('format')!r} v{meta.get('version')} is not {FORMAT} "
+            f"v{' or v'.join(map(str, READ_VERSIONS))}"
         )
     import orbax.checkpoint as ocp
 
@@ -65,8 +71,11 @@ def load(ckpt_dir: str | os.PathLike, mesh=None) -> tuple[dict, ModelConfig]:
     if mesh is not None:  # a bad mesh or sizes it cannot split raise before any array is read
         tensor_parallel.shard_config(cfg, tensor_parallel.mesh_size(mesh))
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0] if mesh is None else _host_device())
-    target = {}
-    _collect_specs(meta["tree"], target, sharding)
+    target, checksums = {}, {}
+    _collect_specs(meta["tree"], target, checksums, sharding)
+    if meta["version"] >= 2 and len(checksums) != len(target):
+        unlisted = sorted(set(target) - set(checksums))
+        raise CheckpointError(f"{meta_path} lists array {unlisted[0]!r} without its crc32 (v2 lists one per array)")
     params_dir = os.path.join(root, PARAMS_DIR)
     checkpointer = ocp.StandardCheckpointer()
     _check_data_files(params_dir)
@@ -80,6 +89,7 @@ def load(ckpt_dir: str | os.PathLike, mesh=None) -> tuple[dict, ModelConfig]:
         raise CheckpointError(
             f"{params_dir}: cannot read {what}: its data file is missing or damaged (orbax: {first})"
         ) from e
+    _check_checksums(arrays, checksums, params_dir)
     params = _decode(meta["tree"], arrays)
     return (params if mesh is None else tensor_parallel.shard_params(params, cfg, mesh)), cfg
 
@@ -113,6 +123,24 @@ def _check_stored(checkpointer, params_dir: str, target: dict, meta_path: str) -
                 f"{meta_path} says array {name!r} is {spec.dtype.name} {list(spec.shape)}, but {params_dir} stores "
                 f"{jnp.dtype(have.dtype).name} {list(have.shape)}"
             )
+
+
+def crc32(array) -> int:
+    """zlib's CRC-32 of an array's bytes in C order (native byte order: little-endian on every platform JAX runs
+    on); a device array is copied to the host first."""
+    host = np.ascontiguousarray(np.asarray(array))
+    return zlib.crc32(host.reshape(-1).view(np.uint8))
+
+
+def _check_checksums(arrays: dict, checksums: dict[str, int], params_dir: str) -> None:
+    """Every restored array whose CRC-32 jspec.json lists has it; raises CheckpointError naming the arrays that do
+    not (one array at a time on the host, so the check holds no second copy of the params)."""
+    damaged = [name for name, expected in checksums.items() if crc32(arrays[name]) != expected]
+    if not damaged:
+        return
+    shown = ", ".join(map(repr, damaged[:3])) + (f" and {len(damaged) - 3} more" if len(damaged) > 3 else "")
+    subject = f"array {shown} does not" if len(damaged) == 1 else f"arrays {shown} do not"
+    raise CheckpointError(f"{params_dir}: {subject} match the CRC-32 that jspec.json lists: the data is damaged")
 
 
 def _check_data_files(params_dir: str) -> None:
@@ -180,20 +208,24 @@ def _encode(node, path: str, arrays: dict) -> object:
         if path in arrays:
             raise ValueError(f"two params share the storage name {path!r} (a dict key containing '.')")
         arrays[path] = jnp.asarray(node)
-        return {"array": path, "shape": list(np.shape(node)), "dtype": jnp.dtype(node.dtype).name}
+        stored = arrays[path]  # as stored: JAX's dtype (a float64 numpy array is float32 without x64)
+        return {"array": path, "shape": list(stored.shape), "dtype": stored.dtype.name, "crc32": crc32(stored)}
     raise TypeError(f"{path}: cannot save a {type(node).__name__} (expected arrays, Int4Weight, dict, list, tuple)")
 
 
-def _collect_specs(tree, target: dict, sharding) -> None:
-    """Abstract restore target {path: ShapeDtypeStruct} from the JSON structure."""
+def _collect_specs(tree, target: dict, checksums: dict, sharding) -> None:
+    """From the JSON structure: the abstract restore target {path: ShapeDtypeStruct} and the CRC-32s {path: int} it
+    lists (none in v1)."""
     if tree is None:
         return
     if "array" in tree:
         target[tree["array"]] = jax.ShapeDtypeStruct(tuple(tree["shape"]), jnp.dtype(tree["dtype"]), sharding=sharding)
+        if "crc32" in tree:
+            checksums[tree["array"]] = tree["crc32"]
         return
     ((kind, body),) = tree.items()
     for child in body.values() if isinstance(body, dict) else body:
-        _collect_specs(child, target, sharding)
+        _collect_specs(child, target, checksums, sharding)
 
 
 def _decode(tree, arrays: dict):

@@ -274,6 +274,48 @@ def test_save_load_round_trip_is_bit_identical(kind, tiny_hf_model, tmp_path):
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
+def test_each_array_is_checked_against_its_crc32(tiny_hf_model, tmp_path):
+    """jspec.json lists zlib's CRC-32 of every array's bytes; a listed value the data does not match is an error
+    naming the array; a v1 checkpoint (before checksums) loads unchecked; a v2 entry without one is refused."""
+    import zlib
+
+    _, path = tiny_hf_model("qwen2")
+    params, cfg = checkpoints.load_hf(path)
+    params["extra"] = np.linspace(0, 1, 5)  # float64 on the host: stored (and listed) as JAX's float32
+    checkpoints.save(tmp_path / "ckpt", params, cfg)
+    meta_path = tmp_path / "ckpt" / "jspec.json"
+    meta = json.loads(meta_path.read_text())
+    embed, extra = meta["tree"]["dict"]["embed"], meta["tree"]["dict"]["extra"]
+    assert meta["version"] == 2 and extra["dtype"] == "float32"
+    assert embed["crc32"] == zlib.crc32(np.asarray(params["embed"]).tobytes())
+
+    def load_with(edit):
+        edited = json.loads(json.dumps(meta))
+        edit(edited)
+        meta_path.write_text(json.dumps(edited))
+        return checkpoints.load(tmp_path / "ckpt")
+
+    with pytest.raises(checkpoints.CheckpointError, match="array 'params.embed' does not match the CRC-32"):
+        load_with(lambda m: m["tree"]["dict"]["embed"].update(crc32=embed["crc32"] ^ 1))
+    with pytest.raises(checkpoints.CheckpointError, match="lists array 'params.embed' without its crc32"):
+        load_with(lambda m: m["tree"]["dict"]["embed"].pop("crc32"))
+
+    def drop_checksums(node):
+        if isinstance(node, dict):
+            node.pop("crc32", None)
+        for child in node.values() if isinstance(node, dict) else node if isinstance(node, list) else ():
+            drop_checksums(child)
+
+    def as_v1(m):  # v1 lists no checksums
+        m["version"] = 1
+        drop_checksums(m["tree"])
+
+    loaded, _ = load_with(as_v1)
+    assert leaves_equal_bitwise(loaded["embed"], params["embed"]) and loaded["extra"].dtype == jnp.float32
+    with pytest.raises(checkpoints.CheckpointError, match="v3 is not jspec-params v1 or v2"):
+        load_with(lambda m: m.update(version=3))
+
+
 def test_save_load_errors(tiny_hf_model, tmp_path):
     _, path = tiny_hf_model("qwen2")
     params, cfg = checkpoints.load_hf(path)

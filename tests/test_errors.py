@@ -199,7 +199,7 @@ def broken_checkpoints(tmp_path_factory):
     """Copies of the demo checkpoint, each broken one way: (dir, the message expected)."""
     root = tmp_path_factory.mktemp("broken")
     cases = {}
-    for how in ("deleted", "truncated", "reshaped", "index", "metadata"):
+    for how in ("deleted", "truncated", "flipped", "reshaped", "index", "metadata"):
         d = root / how
         shutil.copytree(checkpoints.demo_dir(), d)
         data = max((d / "params" / "ocdbt.process_0" / "d").iterdir(), key=lambda f: f.stat().st_size)
@@ -207,6 +207,12 @@ def broken_checkpoints(tmp_path_factory):
             data.unlink()
         elif how == "truncated":
             os.truncate(data, 1000)
+        elif how == "flipped":  # four bytes inverted inside the file's length: orbax reads it without complaint
+            with open(data, "r+b") as f:
+                f.seek(data.stat().st_size // 2)
+                word = f.read(4)
+                f.seek(-4, os.SEEK_CUR)
+                f.write(bytes(b ^ 0xFF for b in word))
         elif how == "index":  # the B+tree node that lists the arrays' data
             next((d / "params" / "d").iterdir()).unlink()
         elif how == "metadata":
@@ -222,6 +228,7 @@ def broken_checkpoints(tmp_path_factory):
 BROKEN = {
     "deleted": "cannot read array 'params.embed': its data file .* is missing",
     "truncated": r"cannot read array 'params.embed': its data file .* is truncated \(1000 bytes; the data ends at byte",
+    "flipped": "array 'params.embed' does not match the CRC-32 that jspec.json lists: the data is damaged",
     "reshaped": "says array 'params.embed' is float32",
     "index": "cannot read the orbax index: its data file .* is missing",
     "metadata": "cannot read the orbax metadata",
