@@ -293,7 +293,7 @@ def cmd_inspect(args) -> int:
     import jax
 
     import jspec
-    from jspec.model import resolve_checkpoint
+    from jspec.model import checkpoint_kind, resolve_checkpoint
     from pallas_kernels import Int4Weight
 
     if args.path is not None and args.checkpoint is not None and args.path != args.checkpoint:
@@ -303,10 +303,24 @@ def cmd_inspect(args) -> int:
     leaves = jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, Int4Weight))
     n_int4 = sum(int(w.shape[0]) * int(w.shape[1]) for w in leaves if isinstance(w, Int4Weight))
     n_dense = sum(int(x.size) for x in leaves if not isinstance(x, Int4Weight))
-    info = {"checkpoint": path, "config": model.cfg.to_dict(), "int4_params": n_int4, "dense_params": n_dense}
+    info = {
+        "checkpoint": path,
+        "format": _checkpoint_format(path, checkpoint_kind(path)),
+        "config": model.cfg.to_dict(),
+    }
+    info.update(int4_params=n_int4, dense_params=n_dense)
     info["bytes"] = int(sum(w.nbytes for w in leaves))
     print(json.dumps(info, indent=2))
     return 0
+
+
+def _checkpoint_format(path: str, kind: str) -> str:
+    """What inspect says of a checkpoint it has loaded: its format and what the load checked."""
+    if kind == "hf":
+        return "HuggingFace safetensors: no checksums (floating-point tensors checked finite)"
+    version = json.loads((Path(path) / "jspec.json").read_text())["version"]
+    checked = "every array matched its CRC-32" if version >= 2 else "no checksums (saved before v2): not checked"
+    return f"jspec-params v{version}: {checked}"
 
 
 def build_parser() -> argparse.ArgumentParser:

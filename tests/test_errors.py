@@ -430,14 +430,18 @@ def test_cli_convert_checks_the_target_first(bad_dirs, capsys):
     assert "exists and is not an empty directory" in capsys.readouterr().err
 
 
-def test_cli_inspect_reports_the_checkpoint_named_either_way(bad_dirs, capsys):
-    """`jspec inspect demo-hybrid` and `--model demo-hybrid` print the same JSON: the config and the weight counts;
-    two different checkpoints, or a directory that is none, are one-line errors."""
+def test_cli_inspect_reports_the_checkpoint_named_either_way(bad_dirs, capsys, tmp_path):
+    """`jspec inspect demo-hybrid` and `--model demo-hybrid` print the same JSON: the format (what the load checked),
+    the config and the weight counts; two different checkpoints, or a directory that is none, are one-line errors."""
+    build_tiny_hf_model("qwen2", tmp_path)
+    assert cli.main(["inspect", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["format"].startswith("HuggingFace safetensors: no checksums")
     assert cli.main(["inspect", "demo-hybrid"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert cli.main(["inspect", "--model", "demo-hybrid"]) == 0
     assert json.loads(capsys.readouterr().out) == info
     assert info["checkpoint"].endswith("demo_hybrid") and info["config"]["family"] == "qwen3_5"
+    assert info["format"] == "jspec-params v2: every array matched its CRC-32"
     assert info["int4_params"] > 10**7 and 0 < info["dense_params"] < info["int4_params"] and info["bytes"] > 0
     for argv, message in (
         (["inspect", "demo", "--checkpoint", "demo-hybrid"], "two checkpoints given: 'demo' and --checkpoint"),
