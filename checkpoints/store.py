@@ -9,7 +9,9 @@ still load, unchecked.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import urllib.parse
@@ -107,10 +109,11 @@ def _host_device():
 def _check_stored(checkpointer, params_dir: str, target: dict, meta_path: str) -> None:
     """Every array jspec.json lists is stored with its shape and dtype (orbax's own metadata), before any read."""
     try:
-        stored = checkpointer.metadata(params_dir).item_metadata
+        with _orbax_log_dropped(ORBAX_NO_METADATA):
+            stored = checkpointer.metadata(params_dir).item_metadata
     except Exception as e:
         raise CheckpointError(f"{params_dir}: cannot read the orbax metadata: {str(e).splitlines()[0][:200]}") from e
-    if stored is None:  # orbax logs a warning and returns None where its _METADATA or _sharding file is damaged
+    if stored is None:  # orbax returns None (and logs ORBAX_NO_METADATA) where _METADATA or _sharding is damaged
         raise CheckpointError(
             f"{params_dir}: cannot read the orbax metadata: its _METADATA or _sharding file is missing or damaged"
         )
@@ -123,6 +126,25 @@ def _check_stored(checkpointer, params_dir: str, target: dict, meta_path: str) -
                 f"{meta_path} says array {name!r} is {spec.dtype.name} {list(spec.shape)}, but {params_dir} stores "
                 f"{jnp.dtype(have.dtype).name} {list(have.shape)}"
             )
+
+
+ORBAX_NO_METADATA = "Failed to get item metadata"  # the start of orbax's warning that the error below replaces
+
+
+@contextlib.contextmanager
+def _orbax_log_dropped(prefix: str):
+    """Within the block, orbax's log records (absl's logger) starting with prefix are dropped: the one-line
+    CheckpointError says what they would, and a CLI error stays one line."""
+
+    def drop(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(prefix)
+
+    logger = logging.getLogger("absl")
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def crc32(array) -> int:
