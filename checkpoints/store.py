@@ -2,9 +2,9 @@
 (the ModelConfig via `to_dict` and the params tree structure, so `load` rebuilds dicts, lists, `Int4Weight` leaves
 and None zeros exactly). int4 weights are stored as their packed uint8 codes, bf16 scales and uint8 zeros: a round
 trip is bit-identical. Format v2 lists each array's CRC-32 (zlib's, over its C-order bytes) and `load` checks every
-array it restores against it: a data file damaged inside its length (which orbax reads without complaint where the
-array is stored uncompressed) is an error naming the array, not different weights. v1 checkpoints (no checksums)
-still load, unchecked.
+array it restores against it: a data file damaged inside its length (four bytes inverted mid-file in the demo:
+orbax decoded the zstd chunk without complaint) is an error naming the array, not different weights. v1
+checkpoints (no checksums) still load, unchecked.
 """
 
 from __future__ import annotations
