@@ -75,8 +75,7 @@ def load(ckpt_dir: str | os.PathLike, mesh=None) -> tuple[dict, ModelConfig]:
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0] if mesh is None else _host_device())
     target, checksums = {}, {}
     _collect_specs(meta["tree"], target, checksums, sharding)
-    if meta["version"] >= 2 and len(checksums) != len(target):
-        unlisted = sorted(set(target) - set(checksums))
+    if meta["version"] >= 2 and (unlisted := sorted(target.keys() - checksums.keys())):
         raise CheckpointError(f"{meta_path} lists array {unlisted[0]!r} without its crc32 (v2 lists one per array)")
     params_dir = os.path.join(root, PARAMS_DIR)
     checkpointer = ocp.StandardCheckpointer()

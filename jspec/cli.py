@@ -307,9 +307,10 @@ def cmd_inspect(args) -> int:
         "checkpoint": path,
         "format": _checkpoint_format(path, checkpoint_kind(path)),
         "config": model.cfg.to_dict(),
+        "int4_params": n_int4,
+        "dense_params": n_dense,
+        "bytes": int(sum(w.nbytes for w in leaves)),
     }
-    info.update(int4_params=n_int4, dense_params=n_dense)
-    info["bytes"] = int(sum(w.nbytes for w in leaves))
     print(json.dumps(info, indent=2))
     return 0
 
