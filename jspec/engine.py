@@ -54,12 +54,16 @@ ROUNDS_PER_CALL = 16  # the host loop's rounds per device call (Engine.generate'
 # cuBLAS with its heuristic algorithm, never autotuned: XLA would pick each one's Triton tiling or cuBLAS algorithm by
 # timing it while compiling, and one prompt's prefill bits, so its tokens, changed from process to process
 # (docs/design.md, rule 10; docs/exactness.md). Autotuning off alone leaves XLA's default Triton tiling, 7.6-10.7x
-# slower prefill on the H100; with cuBLAS, prefill took 0.95x the autotuned time (Qwen3.5, 4096 tokens).
+# slower prefill on the H100; with cuBLAS, prefill took 0.95x the autotuned time (Qwen3.5, 4096 tokens). And the
+# prefill's dynamic-slice copies on the main stream (XLA's pass that makes them async, 24 a chunk on 4 more streams,
+# disabled): once a process has run an executable with them, every later decode step runs slower, ~7% at the Qwen3.5
+# shape (H100, a fresh process each: the generation 2.95 -> 2.75 ms a token; docs/performance.md, "process state").
 GPU_COMPILER_OPTIONS = {
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
     "xla_gpu_graph_min_graph_size": 1,
     "xla_gpu_autotune_level": 0,
     "xla_gpu_enable_triton_gemm": False,
+    "xla_disable_hlo_passes": "dynamic-slice-copy-fusion-async-wrapper",
 }
 
 

@@ -89,6 +89,10 @@ def test_engine_compiles_with_jspec_compiler_options(monkeypatch):
     assert jspec.compiler_options("gpu") == engine_module.GPU_COMPILER_OPTIONS
     # prefill's products are never autotuned (rule 10: the same bits in every process)
     assert engine_module.GPU_COMPILER_OPTIONS["xla_gpu_autotune_level"] == 0
+    # the prefill's dynamic-slice copies stay on the main stream: async on other streams, their first run left every
+    # later decode step of the process slower (docs/performance.md, "process state")
+    disabled = engine_module.GPU_COMPILER_OPTIONS["xla_disable_hlo_passes"].split(",")
+    assert "dynamic-slice-copy-fusion-async-wrapper" in disabled
     # every name is one XLA knows (XLA:CPU takes the GPU's debug options too)
     jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(compiler_options=engine_module.GPU_COMPILER_OPTIONS)
     eng = engine()

@@ -38,7 +38,10 @@ token 1.2-1.9x longer, other greedy tokens). And for "dsf_verify" (the prefill's
 stream, which takes `sustained_load.py`'s own jit of the generation from 2.92-2.96 to 2.77 ms a token): the Engine's
 on-device decode 0.999x (Qwen3.5, 340 tok/s) and 1.003x (Llama-3-8B, 359), with 128-token chunks ("chunk128" against
 "chunk128+dsf_verify") 1.000x, the same tokens (..._dsf_verify_h100.json, fc8e3fd; ..._chunk128_dsf_verify_h100.json,
-5a2a104; the commands in benchmarks/README.md).
+5a2a104; the commands in benchmarks/README.md). That A/B is one process, and a variant's state carries to the
+others': the shipped engine's first run (its prefill's async copies) slowed every later step of the process, the
+variant's too; alone in fresh processes the Engine ran 2.95 against 2.75 ms a token and the option ships
+(sustained_load.py's engine runs, docs/performance.md). Time A/Bs of process-wide options in separate processes.
 
     python3 benchmarks/experiments/autotune_cost.py --variants autotuned --commit SHA --out $OUT/autotune_cost_h200.json
     python3 benchmarks/experiments/autotune_cost.py --models llama-3-8b,qwen3.5 --variants no_blas_graphs --on-device \
@@ -75,7 +78,7 @@ VARIANTS = {  # added to the shipped GPU options (level 0, cuBLAS: jspec.engine.
     "no_blas_graphs": without_command_buffers("CUBLAS", "CUBLASLT"),
     # no WHILE / CONDITIONAL command buffers: the host drives the executable's loops, each body still a CUDA graph
     "host_while": without_command_buffers("WHILE", "CONDITIONAL"),
-    **DYNAMIC_SLICE_OPTIONS,  # no_dsf, dsf_verify: the prefill's dynamic-slice copies
+    **DYNAMIC_SLICE_OPTIONS,  # async_dsf, no_dsf, dsf_verify: the prefill's dynamic-slice copies
 }
 
 ENGINE_VARIANTS = {  # the shipped options with other Engine arguments (default: one prefill chunk for a short engine)

@@ -84,14 +84,16 @@ def without_command_buffers(*kinds: str) -> dict:
 
 VARIANTS = {"shipped": SHIPPED, "host_while": without_command_buffers("WHILE", "CONDITIONAL")}
 
-# XLA options, added to the shipped ones, on the prefill's dynamic-slice copy fusions, which run async on 4 more
-# streams as shipped (sustained_load.py's thunk runs): dynamic-slice fusions off (the copies stay async), their
-# offset checks on (no async start left), or the pass that makes them async off (XLA's
-# dynamic_slice_copy_fusion_async_wrapper.h; no async start left, no offset check)
+# XLA options, added to the shipped ones, on the prefill's dynamic-slice copy fusions (24 a 128-position chunk at the
+# Qwen3.5 shape). As shipped the pass that makes them async is off (XLA's dynamic_slice_copy_fusion_async_wrapper.h:
+# jspec.engine.GPU_COMPILER_OPTIONS), so they run on the main stream. "async_dsf": that pass on again, the copies
+# async on 4 more streams as shipped before a9b115e (sustained_load.py's thunk runs); with it on, "no_dsf": the
+# dynamic-slice fusions off (the copies stay async), "dsf_verify": their offset checks on (which keeps them on the
+# main stream). An empty xla_disable_hlo_passes clears the list.
 DYNAMIC_SLICE_OPTIONS = {
-    "no_dsf": {"xla_gpu_enable_dynamic_slice_fusion": False},
-    "dsf_verify": {"xla_gpu_experimental_dynamic_slice_fusion_verify_offsets": True},
-    "no_dsf_async": {"xla_disable_hlo_passes": "dynamic-slice-copy-fusion-async-wrapper"},
+    "async_dsf": {"xla_disable_hlo_passes": ""},
+    "no_dsf": {"xla_disable_hlo_passes": "", "xla_gpu_enable_dynamic_slice_fusion": False},
+    "dsf_verify": {"xla_disable_hlo_passes": "", "xla_gpu_experimental_dynamic_slice_fusion_verify_offsets": True},
 }
 
 TOP_GAPS = 12  # the (kernel before, kernel after) pairs reported, by their idle time

@@ -11,10 +11,12 @@ reasons (`nvidia-smi`):
 - "rest:S": S idle seconds.
 - "warm": the greedy on-device generation compiled and run once (n tokens, then 1); "generate:R": R timed
   generations (ms a token over --new-tokens minus 1; warms first); "hostgen:T": one host-loop generation of T
-  tokens (T = 1: the prefill and the first token); "gentime:PART[:MODE[:R[:prof]]]": a whole generation's
-  executable (generate_on_device or unchecked, below) timed as "generate" times the Engine's (`phase_gentime`);
-  "split" the prefill's executable and the rounds', MODE "PREFILL_MODE/ROUNDS_MODE" compiling each with its own
-  options; with ":prof", then its GPU kernels per token, profiled (`device_loop_profile.token_kernels`).
+  tokens (T = 1: the prefill and the first token); "drafted:DRAFTER[:nested]": one on-device generation with a
+  drafter (mtp, lookup) on the Engine, its rounds' loop as shipped or nested (`phase_drafted`);
+  "gentime:PART[:MODE[:R[:prof]]]": a whole generation's executable (generate_on_device or unchecked, below) timed
+  as "generate" times the Engine's (`phase_gentime`); "split" the prefill's executable and the rounds', MODE
+  "PREFILL_MODE/ROUNDS_MODE" compiling each with its own options; with ":prof", then its GPU kernels per token,
+  profiled (`device_loop_profile.token_kernels`).
 - "devexec:MODE": the Engine's on-device generation executable, "compile" only, "run" once, or "get" (run, copy back).
 - "genpart:PART[:MODE[:RUNS]]": a part of the generation (`jspec.loop`) as its own executable, compiled with a
   MODE's options (`EXECUTABLE_MODES`) and run RUNS times (default: as shipped, once; `generation_part_once`):
@@ -207,8 +209,15 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   fresh process, XLA_FLAGS=--xla_dump_to): with the prefill's dynamic-slice copies on the main stream ("dsf_verify":
   no async start; its chunk loop still host-driven, 149 command buffers) prefill_steps runs 2.73-2.77 ms a token and
   generate_on_device 2.77-2.78, against 2.94-2.95 and 2.92-2.96 as shipped (steps_at 2.74-2.75); "no_dsf" leaves the
-  copies async and runs 2.94. The Engine compiled with the same option does not gain (autotune_cost.py's dsf_verify:
-  0.999x at Qwen3.5, 1.003x at Llama-3-8B; with 128-token chunks 1.000x).
+  copies async and runs 2.94. The Engine compiled with the same option did not gain in autotune_cost.py's one
+  process, beside the shipped engine (dsf_verify: 0.999x at Qwen3.5, 1.003x at Llama-3-8B; with 128-token chunks
+  1.000x).
+- sustained_load_engine_{async_copies,dsf_verify}_qwen35_h100.json (5ae19d2) and ..._engine_no_dsf_async_qwen35_h100
+  .json (a9b115e; an H100, one fresh process each, --engine-mode MODE --window-s 0.5 --phases chain:1,generate:3,
+  chain:1, XLA_FLAGS=--xla_dump_to): the Engine alone. With the copies async (5ae19d2's shipped options) the chain
+  2.75-2.76 ms, the generations 2.93-2.96 ms a token, the chain after them 2.95-2.96; dsf_verify 2.75 / 2.76-2.78 /
+  2.76-2.78; no_dsf_async (the async wrapper pass disabled) 2.75 / 2.75-2.76 / 2.76. The Engine's executable: 48
+  async starts, none with either. Shipped since: the options of no_dsf_async (now "shipped"; "async_dsf" the old).
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
     P=chain:1,+genpart:generate_on_device:shipped:2,chain:1   # or :no_graphs:3, :host_while:3, unchecked:shipped:2
@@ -266,15 +275,19 @@ from device_loop_profile import (  # noqa: E402
 from xla_options import NO_GRAPHS  # noqa: E402
 
 from jspec import engine as engine_module  # noqa: E402
+from jspec import loop as loop_module  # noqa: E402
 from jspec.config import ModelConfig  # noqa: E402
+from jspec.drafters import MTPDrafter, PromptLookup  # noqa: E402
 from jspec.engine import Engine, compiler_options  # noqa: E402
 from jspec.loop import (  # noqa: E402
+    LoopSettings,
     _generate,
     decode_round,
     first_round,
     generate_on_device,
     generation_rounds,
     prefill_round,
+    run_rounds,
     start_loop,
 )
 from jspec.state import init_state  # noqa: E402
@@ -390,7 +403,8 @@ EXECUTABLE_MODES = {  # MODE (prefill, gdn, gemm, genpart, gentime) -> the XLA o
     # hiding scheduler's)
     "cb_serialize": VARIANTS["shipped"] | {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"},
     "cb_concurrent": VARIANTS["shipped"] | {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
-    # no_dsf, dsf_verify: the prefill's dynamic-slice copies (async in c28e354's thunks; none async with dsf_verify)
+    # async_dsf, no_dsf, dsf_verify: the prefill's dynamic-slice copies (async in c28e354's thunks and with async_dsf
+    # or no_dsf; none async as shipped since a9b115e's runs, nor with dsf_verify)
     **{mode: VARIANTS["shipped"] | extra for mode, extra in DYNAMIC_SLICE_OPTIONS.items()},
 }
 
@@ -720,6 +734,51 @@ def phase_generate(s: Session, repeats: str) -> dict:
     return {"ms_per_token": ms_per_token(s.generation, s.n, int(repeats))}
 
 
+def nested_rounds(params: dict, cfg: ModelConfig, settings: LoopSettings, loop, own=None):
+    """`jspec.loop.generation_rounds` with no lax.cond in its while loop's body (so no conditional node inside the
+    WHILE's graph): each iteration runs verify rounds while the loop asks for them, then decode rounds while it does
+    not (`run_rounds`, at most max_len each): the same rounds in the same order, so the same tokens."""
+    most = jnp.int32(settings.max_len)
+
+    def body(lp):
+        lp = run_rounds(params, cfg, settings, lp, most, True, own)
+        return run_rounds(params, cfg, settings, lp, most, False, own)
+
+    return jax.lax.while_loop(lambda lp: ~lp.done, body, loop)
+
+
+DRAFTERS = {"mtp": MTPDrafter, "lookup": PromptLookup}
+
+
+def phase_drafted(s: Session, spec: str) -> dict:
+    """Phase "drafted:DRAFTER[:nested]": one on-device generation of n tokens on the run's Engine (k = 1) with a
+    drafter (mtp: the model's MTP head; lookup: prompt lookup), compiled and run once, its executable kept by the
+    Engine until a "drop" (the Engine keys it by drafter, so a run takes one of the two loop bodies); ":nested": the
+    generation's rounds as `nested_rounds` instead of the shipped lax.cond in the loop's body. In the bench's hybrid
+    e2e process (greedy, lookup and MTP engines) greedy stayed at ~2.95 ms a token with no async copy in any of its
+    executables (bench_hybrid_qwen35_e2e_no_dsf_async_h100.json): does a drafted generation's run enter the process
+    state, and is it the cond?"""
+    name, _, variant = spec.partition(":")
+    if name not in DRAFTERS or variant not in ("", "nested"):
+        raise ValueError(f"drafted takes {' or '.join(DRAFTERS)}, optionally ':nested', not {spec!r}")
+    shipped_rounds = loop_module.generation_rounds
+    t0 = time.perf_counter()
+    try:
+        if variant:
+            loop_module.generation_rounds = nested_rounds  # what jspec.loop._generate calls while it is traced
+        r = s.engine.generate(s.prompt, s.n, eos_id=(), on_device=True, drafter=DRAFTERS[name]())
+    finally:
+        loop_module.generation_rounds = shipped_rounds
+    wall, st = time.perf_counter() - t0, r.stats
+    greedy = s.engine.generate(s.prompt, s.n, eos_id=(), on_device=True).tokens  # compiled here unless warm
+    return {
+        "wall_s": wall,
+        "verify_steps": st.verify_steps,
+        "decode_steps": st.decode_steps,
+        "identical": r.tokens == greedy,
+    }
+
+
 def split_rounds(engine: Engine, loop, mode: str, hlo_dir: str | None):
     """The greedy generation's rounds (`jspec.loop.generation_rounds`, until the Loop is done) as an executable of
     their own on a Loop made by another (its buffers donated), compiled with EXECUTABLE_MODES[mode] and run twice on
@@ -919,6 +978,7 @@ PHASE_RUNNERS = {  # kind -> runner(session, the phase's argument) -> what the p
     "chain": phase_chain,
     "warm": lambda s, _: warm_generation(s) or {},
     "generate": phase_generate,
+    "drafted": phase_drafted,
     "gentime": phase_gentime,
     "hostgen": lambda s, t: {"wall_s": generation_wall(s.engine, s.prompt, on_device=False)(int(t))},
     "genpart": timed(lambda s, part: generation_part_once(s.engine, s.prompt, s.n, part, s.opts.hlo_dir)),
