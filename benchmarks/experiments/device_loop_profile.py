@@ -87,7 +87,7 @@ VARIANTS = {"shipped": SHIPPED, "host_while": without_command_buffers("WHILE", "
 # XLA options, added to the shipped ones, on the prefill's dynamic-slice copy fusions (24 a 128-position chunk at the
 # Qwen3.5 shape). As shipped the pass that makes them async is off (XLA's dynamic_slice_copy_fusion_async_wrapper.h:
 # jspec.engine.GPU_COMPILER_OPTIONS), so they run on the main stream. "async_dsf": that pass on again, the copies
-# async on 4 more streams as shipped before a9b115e (sustained_load.py's thunk runs); with it on, "no_dsf": the
+# async on 4 more streams as shipped before f4c1acc (sustained_load.py's thunk runs); with it on, "no_dsf": the
 # dynamic-slice fusions off (the copies stay async), "dsf_verify": their offset checks on (which keeps them on the
 # main stream). An empty xla_disable_hlo_passes clears the list.
 DYNAMIC_SLICE_OPTIONS = {

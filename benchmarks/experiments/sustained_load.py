@@ -217,7 +217,7 @@ Runs (experiments/results/, Qwen3.5 text shape unless named, 320-token prompts; 
   chain:1, XLA_FLAGS=--xla_dump_to): the Engine alone. With the copies async (5ae19d2's shipped options) the chain
   2.75-2.76 ms, the generations 2.93-2.96 ms a token, the chain after them 2.95-2.96; dsf_verify 2.75 / 2.76-2.78 /
   2.76-2.78; no_dsf_async (the async wrapper pass disabled) 2.75 / 2.75-2.76 / 2.76. The Engine's executable: 48
-  async starts, none with either. Shipped since: the options of no_dsf_async (now "shipped"; "async_dsf" the old).
+  async starts, none with either. Shipped since f4c1acc: no_dsf_async's options (now "shipped"; "async_dsf" the old).
 
     python3 benchmarks/experiments/sustained_load.py --commit SHA --out $OUT/sustained_load_h200.json
     P=chain:1,+genpart:generate_on_device:shipped:2,chain:1   # or :no_graphs:3, :host_while:3, unchecked:shipped:2
@@ -404,7 +404,7 @@ EXECUTABLE_MODES = {  # MODE (prefill, gdn, gemm, genpart, gentime) -> the XLA o
     "cb_serialize": VARIANTS["shipped"] | {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"},
     "cb_concurrent": VARIANTS["shipped"] | {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
     # async_dsf, no_dsf, dsf_verify: the prefill's dynamic-slice copies (async in c28e354's thunks and with async_dsf
-    # or no_dsf; none async as shipped since a9b115e's runs, nor with dsf_verify)
+    # or no_dsf; none async as shipped since f4c1acc, nor with dsf_verify)
     **{mode: VARIANTS["shipped"] | extra for mode, extra in DYNAMIC_SLICE_OPTIONS.items()},
 }
 
