@@ -90,10 +90,11 @@ VARIANTS = {"shipped": SHIPPED, "host_while": without_command_buffers("WHILE", "
 # async on 4 more streams as shipped before f4c1acc (sustained_load.py's thunk runs); with it on, "no_dsf": the
 # dynamic-slice fusions off (the copies stay async), "dsf_verify": their offset checks on (which keeps them on the
 # main stream). An empty xla_disable_hlo_passes clears the list.
+ASYNC_COPIES = {"xla_disable_hlo_passes": ""}
 DYNAMIC_SLICE_OPTIONS = {
-    "async_dsf": {"xla_disable_hlo_passes": ""},
-    "no_dsf": {"xla_disable_hlo_passes": "", "xla_gpu_enable_dynamic_slice_fusion": False},
-    "dsf_verify": {"xla_disable_hlo_passes": "", "xla_gpu_experimental_dynamic_slice_fusion_verify_offsets": True},
+    "async_dsf": ASYNC_COPIES,
+    "no_dsf": ASYNC_COPIES | {"xla_gpu_enable_dynamic_slice_fusion": False},
+    "dsf_verify": ASYNC_COPIES | {"xla_gpu_experimental_dynamic_slice_fusion_verify_offsets": True},
 }
 
 TOP_GAPS = 12  # the (kernel before, kernel after) pairs reported, by their idle time
